@@ -1,0 +1,29 @@
+# The two commands: `make demo` and `make test`. Both set up .venv if needed.
+.PHONY: demo test unit integration lint venv clean
+
+VENV := .venv/.kvpush-installed
+PY := .venv/bin/python
+
+$(VENV): pyproject.toml scripts/setup-venv.sh
+	./scripts/setup-venv.sh
+
+venv: $(VENV)
+
+demo: $(VENV)
+	$(PY) -m kvpush.demo
+
+lint: $(VENV)
+	.venv/bin/ruff check kvpush tests
+	.venv/bin/ruff format --check kvpush tests
+	.venv/bin/mypy kvpush
+
+unit: $(VENV)
+	$(PY) -m pytest tests/unit -q
+
+integration: $(VENV)
+	$(PY) -m pytest tests/integration -q -m integration
+
+test: lint unit integration
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache

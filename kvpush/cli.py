@@ -1,0 +1,197 @@
+"""The ``kvpush`` command: make-model, up, down, status, router."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpush import env
+from kvpush.topology import MODES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"kvpush {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # LaunchError and failed stops
+        print(f"kvpush {args.command}: failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_model(sub)
+    _add_up(sub)
+    run_dir_help = (
+        "run directory of the cluster (default: $KVPUSH_RUN_DIR or $KVPUSH_HOME/run)"
+    )
+    down = sub.add_parser("down", help="stop the cluster that 'up' started")
+    down.add_argument("--run-dir", type=Path, help=run_dir_help)
+    down.set_defaults(func=_cmd_down)
+    st = sub.add_parser("status", help="list the running cluster's processes")
+    st.add_argument("--run-dir", type=Path, help=run_dir_help)
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.set_defaults(func=_cmd_status)
+    router = sub.add_parser(
+        "router", help="run the OpenAI-compatible router in the foreground"
+    )
+    router.add_argument(
+        "--topology", type=Path, required=True, help="topology JSON written by 'up'"
+    )
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.set_defaults(func=_cmd_router)
+    return parser
+
+
+def _add_make_model(sub: Any) -> None:
+    p = sub.add_parser("make-model", help="build the tiny local Qwen3 model")
+    p.add_argument("dir", type=Path, help="output directory")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=_cmd_make_model)
+
+
+def _add_up(sub: Any) -> None:
+    p = sub.add_parser("up", help="start a local cluster in the background")
+    p.add_argument("--mode", choices=MODES, help="cluster mode (default vllm-pull)")
+    p.add_argument(
+        "--prefill", dest="num_prefill", type=int, help="prefill instances (default 1)"
+    )
+    p.add_argument(
+        "--decode", dest="num_decode", type=int, help="decode instances (default 1)"
+    )
+    p.add_argument(
+        "--model", type=Path, help="model directory (default: the tiny model)"
+    )
+    p.add_argument("--port", type=int, help="router port (default 8000)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument(
+        "--base-http-port", type=int, help="first instance HTTP port (default 8100)"
+    )
+    p.add_argument(
+        "--base-side-channel-port",
+        type=int,
+        help="first NIXL side-channel port (default 5600)",
+    )
+    p.add_argument(
+        "--run-dir", type=Path, help="state and logs (default $KVPUSH_HOME/run)"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="default float32"
+    )
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument(
+        "--kv-cache-space-gb", type=int, help="VLLM_CPU_KVCACHE_SPACE per instance"
+    )
+    p.add_argument("--startup-timeout-s", type=float)
+    p.add_argument(
+        "--config", type=Path, help="JSON or TOML file of these settings; flags win"
+    )
+    p.set_defaults(func=_cmd_up)
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from kvpush.model import ModelSpec, make_model
+
+    spec = ModelSpec(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    out = make_model(args.dir, spec)
+    print(f"model written to {out}")
+    return 0
+
+
+_UP_KEYS = (
+    "mode", "num_prefill", "num_decode", "model", "port", "host", "base_http_port",
+    "base_side_channel_port", "run_dir", "dtype", "max_model_len",
+    "max_num_batched_tokens", "kv_cache_space_gb", "startup_timeout_s",
+)  # fmt: skip
+
+
+def up_config(args: argparse.Namespace) -> Any:
+    """The ClusterConfig from an optional file overlaid with given flags."""
+    from kvpush.launcher.config import load_config_file, make_config
+
+    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    values.update(
+        {k: getattr(args, k) for k in _UP_KEYS if getattr(args, k) is not None}
+    )
+    if values.get("mode") == "colocated":
+        values.setdefault("num_prefill", 0)
+        values.setdefault("num_decode", 0)
+    return make_config(values)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvpush.launcher import up
+
+    state = up(up_config(args))
+    print(f"kvpush {state.mode} cluster ready; router at {state.router_url}")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from kvpush.launcher import down
+
+    run_dir = args.run_dir or env.default_run_dir()
+    stopped = down(run_dir)
+    print(
+        f"stopped {', '.join(stopped)}" if stopped else f"nothing running in {run_dir}"
+    )
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from kvpush.launcher import status
+
+    run_dir = args.run_dir or env.default_run_dir()
+    info = status(run_dir)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0 if info else 1
+    if info is None:
+        print(f"nothing running in {run_dir}")
+        return 1
+    print(f"mode {info['mode']}  router {info['router_url']}  model {info['model']}")
+    for p in info["processes"]:  # type: ignore[attr-defined]
+        side = p["side_channel_port"] if p["side_channel_port"] is not None else "-"
+        alive = "up" if p["alive"] else "DOWN"
+        print(
+            f"  {p['name']:<10} {p['role']:<9} {p['url']:<24} side {side!s:<6} "
+            f"pid {p['pid']:<7} {alive:<4} {p['log_path']}"
+        )
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from kvpush.router import RouterConfig, run_router
+    from kvpush.topology import load_topology
+
+    config = RouterConfig(
+        topology=load_topology(args.topology), host=args.host, port=args.port
+    )
+    run_router(config)
+    return 0

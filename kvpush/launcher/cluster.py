@@ -1,0 +1,275 @@
+"""``kvpush up``, ``down`` and ``status``: the cluster's whole life.
+
+``up`` starts every vLLM instance and the router in the background, saves
+what it started in the run directory, and returns once all answer
+``/health``. ``down`` stops exactly what the saved state names.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+
+from kvpush import env
+from kvpush.launcher import process
+from kvpush.launcher.config import ClusterConfig
+from kvpush.launcher.instances import (
+    InstanceSpec,
+    instance_command,
+    instance_env,
+    plan_instances,
+)
+from kvpush.launcher.state import (
+    TOPOLOGY_FILE,
+    ProcessRecord,
+    RunState,
+    clear_state,
+    load_state,
+    save_state,
+)
+from kvpush.topology import Topology, dump_topology
+
+_POLL_S = 0.5
+
+
+class LaunchError(RuntimeError):
+    """A cluster could not be started; everything it started is stopped."""
+
+
+def run_dir_of(config: ClusterConfig) -> Path:
+    return config.run_dir or env.default_run_dir()
+
+
+def up(config: ClusterConfig, console: Console | None = None) -> RunState:
+    """Start the cluster described by ``config`` and wait until it serves."""
+    console = console or Console(stderr=True)
+    if config.mode == "kvpush":
+        raise ValueError(
+            "mode 'kvpush' is not available yet: kvpush's own connector is "
+            "still being built; use colocated, vllm-pull or vllm-push"
+        )
+    run_dir = run_dir_of(config)
+    _refuse_if_running(run_dir)
+    model = _resolve_model(config, console)
+    specs = plan_instances(config, run_dir)
+    _check_ports_free(config, specs)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    topology = Topology(mode=config.mode, backends=tuple(s.backend() for s in specs))  # type: ignore[arg-type]
+    dump_topology(topology, run_dir / TOPOLOGY_FILE)
+    state = RunState(
+        mode=config.mode,
+        model=str(model),
+        router_url=f"http://{config.host}:{config.port}",
+        processes=(),
+    )
+    try:
+        state = _start_all(config, specs, model, run_dir, state)
+        _wait_ready(state, config.startup_timeout_s, console)
+    except BaseException:
+        _stop_processes(state.processes)
+        clear_state(run_dir)
+        raise
+    return state
+
+
+def _start_all(
+    config: ClusterConfig,
+    specs: list[InstanceSpec],
+    model: Path,
+    run_dir: Path,
+    state: RunState,
+) -> RunState:
+    """Spawn every instance, then the router, saving state after each."""
+    records: list[ProcessRecord] = []
+    for spec in specs:
+        cmd = instance_command(config, spec, model)
+        pid = process.spawn(cmd, instance_env(config, spec), spec.log_path)
+        records.append(
+            ProcessRecord(
+                name=spec.name,
+                role=spec.role,
+                pid=pid,
+                url=spec.url,
+                log_path=str(spec.log_path),
+                side_channel_port=spec.side_channel_port,
+                core=spec.core,
+            )
+        )
+        state = _with(state, records)
+        save_state(state, run_dir)
+    router_log = run_dir / "router.log"
+    router_cmd = [
+        sys.executable, "-m", "kvpush", "router",
+        "--topology", str(run_dir / TOPOLOGY_FILE),
+        "--host", config.host, "--port", str(config.port),
+    ]  # fmt: skip
+    pid = process.spawn(router_cmd, instance_env_router(), router_log)
+    records.append(
+        ProcessRecord(
+            name="router",
+            role="router",
+            pid=pid,
+            url=state.router_url,
+            log_path=str(router_log),
+        )
+    )
+    state = _with(state, records)
+    save_state(state, run_dir)
+    return state
+
+
+def instance_env_router() -> dict[str, str]:
+    """The router's environment: this process's, unbuffered output."""
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def _with(state: RunState, records: list[ProcessRecord]) -> RunState:
+    return RunState(
+        mode=state.mode,
+        model=state.model,
+        router_url=state.router_url,
+        processes=tuple(records),
+    )
+
+
+def _wait_ready(state: RunState, timeout_s: float, console: Console) -> None:
+    """Block until every process answers /health, showing progress; raise
+    LaunchError with the log tail if one dies or the deadline passes."""
+    start = time.monotonic()
+    pending = {p.name: p for p in state.processes}
+    with console.status("") as status:
+        while pending:
+            elapsed = time.monotonic() - start
+            for name, rec in list(pending.items()):
+                if not process.is_alive(rec.pid):
+                    raise LaunchError(_failure(rec, "exited during start-up"))
+                if _healthy(rec.url):
+                    del pending[name]
+                    console.print(f"  {name} ready at {rec.url} ({elapsed:.0f} s)")
+            if not pending:
+                break
+            if elapsed > timeout_s:
+                rec = next(iter(pending.values()))
+                raise LaunchError(_failure(rec, f"not ready after {timeout_s:.0f} s"))
+            waiting = ", ".join(pending)
+            status.update(
+                f"starting {state.mode}: waiting for {waiting} ({elapsed:.0f} s)"
+            )
+            time.sleep(_POLL_S)
+
+
+def _failure(rec: ProcessRecord, what: str) -> str:
+    return (
+        f"{rec.name} {what}; its log is {rec.log_path}. Last lines:\n"
+        f"{process.tail(Path(rec.log_path))}"
+    )
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _refuse_if_running(run_dir: Path) -> None:
+    state = load_state(run_dir)
+    if state is None:
+        return
+    if any(process.group_members(p.pid) for p in state.processes):
+        raise ValueError(
+            f"a cluster is already running from {run_dir}; stop it with "
+            f"'kvpush down --run-dir {run_dir}' or choose another --run-dir"
+        )
+    clear_state(run_dir)
+
+
+def _resolve_model(config: ClusterConfig, console: Console) -> Path:
+    if config.model is not None:
+        if not (config.model / "config.json").is_file():
+            raise ValueError(
+                f"--model {config.model} is not a model directory (no config.json)"
+            )
+        return config.model
+    from kvpush.model import ModelSpec, default_model_dir, ensure_model
+
+    target = default_model_dir(env.kvpush_home())
+    with console.status(f"making the tiny model in {target} (first use only)"):
+        return ensure_model(target, ModelSpec())
+
+
+def _check_ports_free(config: ClusterConfig, specs: list[InstanceSpec]) -> None:
+    ports = [("router", config.port)]
+    for s in specs:
+        ports += [
+            (f"{s.name} HTTP", s.http_port),
+            (f"{s.name} side channel", s.side_channel_port),
+        ]
+    for what, port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As the servers themselves do: a port whose old connections
+            # linger in TIME_WAIT is free to listen on.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((config.host, port))
+            except OSError as e:
+                raise ValueError(
+                    f"port {port} ({what}) on {config.host} is in use ({e.strerror}); "
+                    "choose other ports with --port / --base-http-port / "
+                    "--base-side-channel-port"
+                ) from e
+
+
+def _stop_processes(records: tuple[ProcessRecord, ...]) -> list[str]:
+    """Stop the router first, then instances; names of any that survived."""
+    survivors = []
+    for rec in sorted(records, key=lambda r: r.role != "router"):
+        if not process.stop_group(rec.pid):
+            survivors.append(rec.name)
+    return survivors
+
+
+def down(run_dir: Path) -> list[str]:
+    """Stop everything started from ``run_dir``; names of what was stopped."""
+    state = load_state(run_dir)
+    if state is None:
+        return []
+    survivors = _stop_processes(state.processes)
+    if survivors:
+        raise RuntimeError(f"could not stop {', '.join(survivors)}; see {run_dir}")
+    clear_state(run_dir)
+    return [p.name for p in state.processes]
+
+
+def status(run_dir: Path) -> dict[str, object] | None:
+    """The running cluster as plain data (None when nothing runs here)."""
+    state = load_state(run_dir)
+    if state is None:
+        return None
+    return {
+        "mode": state.mode,
+        "model": state.model,
+        "router_url": state.router_url,
+        "run_dir": str(run_dir),
+        "processes": [
+            {
+                "name": p.name,
+                "role": p.role,
+                "url": p.url,
+                "side_channel_port": p.side_channel_port,
+                "core": p.core,
+                "pid": p.pid,
+                "alive": process.is_alive(p.pid),
+                "log_path": p.log_path,
+            }
+            for p in state.processes
+        ],
+    }

@@ -1,0 +1,316 @@
+"""The router's aiohttp application and its blocking entry point.
+
+``run_router`` (called by the CLI) serves until SIGINT/SIGTERM;
+``start_router`` (used by ``run_router`` and by tests) starts the server on
+the running loop and returns a handle to close it. The app owns one
+``aiohttp.ClientSession``, created at start-up and closed at clean-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.router.config import RouterConfig
+from kvpush.router.dispatch import FlowContext, serve
+from kvpush.router.errors import RouterError, bad_request
+from kvpush.router.metrics import RouterMetrics
+from kvpush.router.requests import Endpoint, parse_request
+from kvpush.router.selection import RoundRobinSelector, Selector
+from kvpush.topology import Backend
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass
+class RouterState:
+    """What every handler shares; ``session`` exists between start-up and clean-up."""
+
+    config: RouterConfig
+    selector: Selector
+    metrics: RouterMetrics
+    session: aiohttp.ClientSession | None = None
+
+    def client(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("the router's HTTP client is not started")
+        return self.session
+
+
+STATE = web.AppKey("kvpush_router_state", RouterState)
+REQUEST_ID = web.RequestKey("kvpush_request_id", str)  # needs aiohttp >= 3.14
+CLIENT_REQUEST_ID = web.RequestKey("kvpush_client_request_id", str)
+
+
+def build_app(
+    config: RouterConfig, selector: Selector | None = None
+) -> web.Application:
+    """The router app for ``config``; ``selector`` defaults to round robin."""
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[_request_id_middleware, _error_middleware],
+    )
+    app[STATE] = RouterState(
+        config=config,
+        selector=selector or RoundRobinSelector(),
+        metrics=RouterMetrics(config.mode),
+    )
+    app.cleanup_ctx.append(_client_session)
+    app.on_response_prepare.append(_echo_request_id)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=state.config.connect_timeout_s,
+        sock_connect=state.config.connect_timeout_s,
+    )
+    connector = aiohttp.TCPConnector(limit=0)  # deadlines bound use, not a pool cap
+    state.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+    try:
+        yield
+    finally:
+        await state.session.close()
+        state.session = None
+
+
+# -- middleware ------------------------------------------------------------
+
+
+@web.middleware
+async def _request_id_middleware(
+    request: web.Request, handler: Any
+) -> web.StreamResponse:
+    """Give every request a unique id for its legs: a fresh uuid4, prefixed by
+    the client's X-Request-Id when it sent one. vLLM pairs push legs by this
+    id, so two client requests reusing one X-Request-Id must not share it."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    request[REQUEST_ID] = uuid.uuid4().hex
+    if given is not None:
+        if not _REQUEST_ID_RE.fullmatch(given):
+            return bad_request(
+                "X-Request-Id must be 1-128 characters of A-Z a-z 0-9 . _ : -"
+            ).to_response()
+        request[CLIENT_REQUEST_ID] = given
+        request[REQUEST_ID] = f"{given}.{request[REQUEST_ID]}"
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answer 404/405/413 and unexpected failures in the OpenAI error shape."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except RouterError as err:
+        return err.to_response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{exc.reason}: {request.method} {request.path}"
+        err_type = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return RouterError.openai(
+            exc.status, message, err_type, str(exc.status)
+        ).to_response()
+    except Exception:
+        logger.exception("request %s: unexpected router error", request.get(REQUEST_ID))
+        return RouterError.openai(
+            500, "internal router error", "internal_error", "internal_error"
+        ).to_response()
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Answer with the client's own X-Request-Id, else the router's."""
+    request_id = request.get(CLIENT_REQUEST_ID) or request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
+
+
+# -- handlers --------------------------------------------------------------
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions")
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """Parse a generation request at the edge, then hand it to ``serve``."""
+    state, started = request.app[STATE], time.monotonic()
+    try:
+        raw = await request.read()
+        parsed = parse_request(raw, endpoint, allow_n=state.config.mode == "colocated")
+    except (RouterError, web.HTTPRequestEntityTooLarge) as exc:
+        err = exc if isinstance(exc, RouterError) else _too_large(state.config)
+        state.metrics.rejected(endpoint, str(err.status), err.cause)
+        return err.to_response()
+    ctx = FlowContext(
+        request=request,
+        parsed=parsed,
+        request_id=request[REQUEST_ID],
+        session=state.client(),
+        config=state.config,
+        selector=state.selector,
+        metrics=state.metrics,
+        started_at=started,
+    )
+    return await serve(ctx)
+
+
+def _too_large(config: RouterConfig) -> RouterError:
+    return RouterError.openai(
+        413,
+        f"request body exceeds max_body_bytes={config.max_body_bytes}",
+        "invalid_request_error",
+        "body_too_large",
+    )
+
+
+async def _models(request: web.Request) -> web.Response:
+    """Proxy ``GET /v1/models`` to the first decode (or colocated) backend."""
+    state = request.app[STATE]
+    topology = state.config.topology
+    backend = (topology.decodes or topology.colocated)[0]
+    url = backend.url.rstrip("/") + "/v1/models"
+    headers = {REQUEST_ID_HEADER: request[REQUEST_ID]}
+    try:
+        async with asyncio.timeout(state.config.request_timeout_s):
+            async with state.client().get(url, headers=headers) as upstream:
+                body = await upstream.read()
+                content_type = upstream.headers.get("Content-Type", "application/json")
+    except TimeoutError:
+        raise RouterError.openai(
+            504,
+            f"timed out asking {backend.engine_id!r} for models",
+            "timeout_error",
+            "timeout",
+        ) from None
+    except aiohttp.ClientError as e:
+        raise RouterError.openai(
+            502,
+            f"cannot reach backend {backend.engine_id!r} at {backend.url}: {e}",
+            "upstream_error",
+            "models_unreachable",
+        ) from e
+    return web.Response(
+        status=upstream.status, body=body, headers={"Content-Type": content_type}
+    )
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 if every backend's ``/health`` answers 200 in time, else 503."""
+    state = request.app[STATE]
+    backends = state.config.topology.backends
+    reports = await asyncio.gather(*(_probe(state, b) for b in backends))
+    is_healthy = all(r["healthy"] for r in reports)
+    body = {
+        "status": "ok" if is_healthy else "degraded",
+        "mode": state.config.mode,
+        "backends": reports,
+    }
+    return web.json_response(body, status=200 if is_healthy else 503)
+
+
+async def _probe(state: RouterState, backend: Backend) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "engine_id": backend.engine_id,
+        "role": backend.role,
+        "url": backend.url,
+        "healthy": False,
+        "status": None,
+        "error": None,
+    }
+    try:
+        async with asyncio.timeout(state.config.health_timeout_s):
+            async with state.client().get(backend.url.rstrip("/") + "/health") as resp:
+                report["status"] = resp.status
+                report["healthy"] = resp.status == 200
+    except TimeoutError:
+        report["error"] = f"no answer within {state.config.health_timeout_s}s"
+    except aiohttp.ClientError as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+    return report
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = request.app[STATE].metrics.render()
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+# -- running ---------------------------------------------------------------
+
+
+@dataclass
+class RunningRouter:
+    """A router serving on the current loop; ``close()`` stops it."""
+
+    runner: web.AppRunner
+    url: str
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_router(
+    config: RouterConfig, selector: Selector | None = None
+) -> RunningRouter:
+    """Start serving ``config`` on the running loop (port 0: any free port).
+
+    Handlers are cancelled when their client disconnects, which is how the
+    flows learn to abort their upstream legs while they wait.
+    """
+    runner = web.AppRunner(
+        build_app(config, selector),
+        handler_cancellation=True,
+        shutdown_timeout=config.shutdown_timeout_s,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    return RunningRouter(runner=runner, url=f"http://{config.host}:{port}")
+
+
+def run_router(config: RouterConfig, selector: Selector | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, then close cleanly. Blocks."""
+    asyncio.run(_serve_until_signalled(config, selector))
+
+
+async def _serve_until_signalled(
+    config: RouterConfig, selector: Selector | None
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    router = await start_router(config, selector)
+    logger.info("router (%s) serving on %s", config.mode, router.url)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("router shutting down")
+        await router.close()

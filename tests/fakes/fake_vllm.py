@@ -1,0 +1,348 @@
+"""A fake vLLM OpenAI server, shared by every router test.
+
+:class:`FakeVllm` speaks vLLM's ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models`` and ``/health`` on 127.0.0.1 (a free port), records every
+request it receives, and can be told to misbehave (:class:`Fault`). Its
+answer text is derived from the prompt (:func:`expected_text`), so a test can
+check that the client got decode's answer unchanged.
+
+Fakes given the same :class:`KvFabric` act like a P/D pair: a prefill
+(``do_remote_decode``) publishes "KV" for its X-Request-Id when it answers, and
+a decode (``do_remote_prefill``) waits for that KV before generating, whichever
+request arrived first, as vLLM's NIXL connectors do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvpush.topology import Backend, Role
+
+DEFAULT_MAX_TOKENS = 8
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The text a request's output is derived from (prompt or chat contents)."""
+    if "messages" in body:
+        return " ".join(str(m.get("content", "")) for m in body["messages"])
+    return str(body.get("prompt", ""))
+
+
+def expected_text(text: str, max_tokens: int = DEFAULT_MAX_TOKENS) -> str:
+    """The completion every fake produces for ``text``: its words, upper-cased."""
+    return "".join(_tokens(text, max_tokens))
+
+
+def _tokens(text: str, max_tokens: int) -> list[str]:
+    words = re.findall(r"\w+", text) or ["EMPTY"]
+    return [f" {words[i % len(words)].upper()}" for i in range(max_tokens)]
+
+
+@dataclass
+class Fault:
+    """Misbehaviour for the generation requests a fake receives next.
+
+    ``arrival_delay_s`` delays the request's *recorded arrival* (and all its
+    handling), which forces the order in which concurrent legs arrive.
+    """
+
+    status: int | None = None
+    body: bytes | None = None
+    arrival_delay_s: float = 0.0
+    delay_s: float = 0.0
+    is_hang: bool = False
+    hang_after_chunks: int | None = None
+    chunk_delay_s: float = 0.0
+
+
+@dataclass
+class Received:
+    """One request as the fake saw it."""
+
+    path: str
+    headers: CIMultiDict[str]
+    body: Any
+    arrived_at: float
+    answered_at: float | None = None
+    is_cancelled: bool = False
+    answer: dict[str, Any] | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        return self.headers.get("X-Request-Id")
+
+    @property
+    def kv_transfer_params(self) -> Any:
+        return (
+            self.body.get("kv_transfer_params") if isinstance(self.body, dict) else None
+        )
+
+
+class KvFabric:
+    """Where fake prefills leave KV for fake decodes, keyed by request id."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+        self._prompts: dict[str, str] = {}
+
+    def publish(self, request_id: str, prompt: str) -> None:
+        self._prompts[request_id] = prompt
+        self._event(request_id).set()
+
+    async def wait(self, request_id: str, timeout_s: float) -> str | None:
+        """The prompt prefilled under ``request_id``, or None after the timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._event(request_id).wait()
+        except TimeoutError:
+            return None
+        return self._prompts[request_id]
+
+    def _event(self, request_id: str) -> asyncio.Event:
+        return self._events.setdefault(request_id, asyncio.Event())
+
+
+@dataclass
+class FakeVllm:
+    """One fake instance; ``start()`` before use and ``close()`` after."""
+
+    engine_id: str
+    role: Role = "colocated"
+    fabric: KvFabric | None = None
+    side_channel_port: int = 5600
+    kv_wait_s: float = 5.0
+    health_status: int = 200
+    is_kv_producer: bool = True  # False: no kv_transfer_params, like no connector
+    fault: Fault | None = None
+    received: list[Received] = field(default_factory=list)
+    _runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def start(self) -> FakeVllm:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, shutdown_timeout=0.2
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def backend(self) -> Backend:
+        """This fake as a topology entry."""
+        return Backend(
+            role=self.role,
+            url=self.url,
+            engine_id=self.engine_id,
+            side_channel_host="127.0.0.1",
+            side_channel_port=self.side_channel_port,
+        )
+
+    async def wait_until(
+        self, predicate: Callable[[list[Received]], bool], timeout_s: float = 3.0
+    ) -> None:
+        """Poll (every 5 ms) until ``predicate(self.received)`` or fail."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self.received):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.engine_id}: condition not met: {self.received}"
+                )
+            await asyncio.sleep(0.005)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {"id": "fake-model", "object": "model", "owned_by": self.engine_id}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        fault = self.fault or Fault()
+        if fault.arrival_delay_s:
+            await asyncio.sleep(fault.arrival_delay_s)
+        raw = await request.read()
+        rec = Received(
+            path=request.path,
+            headers=CIMultiDict(request.headers),
+            body=msgspec.json.decode(raw),
+            arrived_at=time.monotonic(),
+        )
+        self.received.append(rec)
+        try:
+            return await self._answer(request, rec, fault)
+        except (asyncio.CancelledError, ConnectionResetError):
+            rec.is_cancelled = True
+            raise
+
+    async def _answer(
+        self, request: web.Request, rec: Received, fault: Fault
+    ) -> web.StreamResponse:
+        if fault.delay_s:
+            await asyncio.sleep(fault.delay_s)
+        if fault.is_hang:
+            await asyncio.sleep(3600)
+        if fault.status is not None:
+            rec.answered_at = time.monotonic()
+            body = fault.body or _vllm_error(fault.status, "injected fault")
+            return web.Response(status=fault.status, body=body)
+        kv_error = await self._await_kv(rec)
+        if kv_error is not None:
+            return web.Response(status=500, body=_vllm_error(500, kv_error))
+        if rec.body.get("stream"):
+            return await self._stream(request, rec, fault)
+        rec.answer = self._completion(rec)
+        rec.answered_at = time.monotonic()
+        if self._is_prefill_leg(rec) and self.fabric is not None:
+            self.fabric.publish(str(rec.request_id), prompt_text(rec.body))
+        return web.json_response(rec.answer)
+
+    def _is_prefill_leg(self, rec: Received) -> bool:
+        params = rec.kv_transfer_params
+        return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+    async def _await_kv(self, rec: Received) -> str | None:
+        """A decode leg waits for its KV; returns an error text or None."""
+        params = rec.kv_transfer_params
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        if self.fabric is None:
+            return "decode leg sent to a fake without a KvFabric"
+        remote_id = str(params.get("remote_request_id"))
+        prompt = await self.fabric.wait(remote_id, self.kv_wait_s)
+        if prompt is None:
+            return f"KV for {remote_id} never arrived"
+        if prompt != prompt_text(rec.body):
+            return f"KV for {remote_id} belongs to another prompt"
+        return None
+
+    def _completion(self, rec: Received) -> dict[str, Any]:
+        body, is_chat = rec.body, rec.path.endswith("/chat/completions")
+        text = expected_text(prompt_text(body), _max_tokens(body))
+        answer = _envelope(rec, self.engine_id, is_chat, "completion")
+        if is_chat:
+            message = {"role": "assistant", "content": text}
+            answer["choices"] = [
+                {"index": 0, "message": message, "finish_reason": "length"}
+            ]
+        else:
+            answer["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
+        answer["usage"] = _usage(body)
+        if self._is_prefill_leg(rec) and self.is_kv_producer:
+            answer["kv_transfer_params"] = self._returned_kv_params(rec)
+        return answer
+
+    def _returned_kv_params(self, rec: Received) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [3, 4, 5],
+            "remote_engine_id": self.engine_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": self.side_channel_port,
+            "remote_request_id": rec.request_id,
+            "tp_size": 1,
+        }
+
+    async def _stream(
+        self, request: web.Request, rec: Received, fault: Fault
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for number, event in enumerate(_stream_events(rec, self.engine_id)):
+            if (
+                fault.hang_after_chunks is not None
+                and number >= fault.hang_after_chunks
+            ):
+                await asyncio.sleep(3600)
+            if fault.chunk_delay_s:
+                await asyncio.sleep(fault.chunk_delay_s)
+            await out.write(event)
+        rec.answered_at = time.monotonic()
+        await out.write_eof()
+        return out
+
+
+def _stream_events(rec: Received, engine_id: str) -> list[bytes]:
+    body, is_chat = rec.body, rec.path.endswith("/chat/completions")
+    chunks: list[dict[str, Any]] = []
+    tokens = _tokens(prompt_text(body), _max_tokens(body))
+    if is_chat:
+        tokens = ["", *tokens]  # vLLM's chat stream opens with the role delta
+    for i, token in enumerate(tokens):
+        finish = "length" if i == len(tokens) - 1 else None
+        chunk = _envelope(rec, engine_id, is_chat, "chunk")
+        if is_chat:
+            delta = (
+                {"role": "assistant", "content": ""} if i == 0 else {"content": token}
+            )
+            chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}]
+        else:
+            chunk["choices"] = [{"index": 0, "text": token, "finish_reason": finish}]
+        chunks.append(chunk)
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage_chunk = _envelope(rec, engine_id, is_chat, "chunk")
+        usage_chunk.update(choices=[], usage=_usage(body))
+        chunks.append(usage_chunk)
+    return [b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks] + [
+        b"data: [DONE]\n\n"
+    ]
+
+
+def _envelope(
+    rec: Received, engine_id: str, is_chat: bool, kind: str
+) -> dict[str, Any]:
+    if is_chat:
+        obj = "chat.completion.chunk" if kind == "chunk" else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {
+        "id": f"cmpl-{rec.request_id}",
+        "object": obj,
+        "created": 0,
+        "model": rec.body.get("model", "fake-model"),
+        "system_fingerprint": engine_id,
+    }
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return int(value) if value else DEFAULT_MAX_TOKENS
+
+
+def _usage(body: dict[str, Any]) -> dict[str, int]:
+    num_prompt = len(re.findall(r"\w+", prompt_text(body)))
+    num_completion = _max_tokens(body)
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
+
+
+def _vllm_error(status: int, message: str) -> bytes:
+    error = {
+        "message": message,
+        "type": "BadRequestError",
+        "param": None,
+        "code": status,
+    }
+    return msgspec.json.encode({"error": error})

@@ -1,0 +1,89 @@
+"""Real clusters for integration tests: each started with the launcher on
+ports of its own, stopped (and checked gone) at the end of its scope."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpush import env
+from kvpush.launcher import ClusterConfig, down, up
+from kvpush.launcher import process as proc
+from kvpush.launcher.state import RunState
+from kvpush.model import ModelSpec, default_model_dir, ensure_model
+from tests.integration import workload
+
+_port_blocks = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return ensure_model(default_model_dir(env.kvpush_home()), ModelSpec())
+
+
+class Cluster:
+    """A running cluster started for tests."""
+
+    def __init__(self, state: RunState, run_dir: Path) -> None:
+        self.state = state
+        self.run_dir = run_dir
+        self.url = state.router_url
+
+    def stop(self) -> None:
+        """``kvpush down`` and check that no process it started is left."""
+        pids = [p.pid for p in self.state.processes]
+        down(self.run_dir)
+        left = {pid: proc.group_members(pid) for pid in pids if proc.group_members(pid)}
+        assert not left, f"processes left after down: {left}"
+
+
+def start_cluster(mode: str, model: Path, run_dir: Path) -> Cluster:
+    """Start ``mode`` on a block of ports no other test cluster uses."""
+    block = next(_port_blocks)
+    pd = mode != "colocated"
+    config = ClusterConfig(
+        mode=mode,
+        num_prefill=1 if pd else 0,
+        num_decode=1 if pd else 0,
+        model=model,
+        run_dir=run_dir,
+        port=18000 + 10 * block,
+        base_http_port=18500 + 10 * block,
+        base_side_channel_port=19000 + 10 * block,
+    )
+    cluster = Cluster(up(config), run_dir)
+    workload.warm_up(cluster.url)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def reference(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> workload.Outputs:
+    """Greedy outputs of a colocated instance for the whole workload."""
+    cluster = start_cluster(
+        "colocated", model_dir, tmp_path_factory.mktemp("colocated")
+    )
+    try:
+        return workload.run_all(cluster.url)
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="class")
+def pd_cluster(
+    request: pytest.FixtureRequest,
+    model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Cluster]:
+    """The P/D cluster named by the test class's ``mode``."""
+    mode = request.cls.mode
+    cluster = start_cluster(mode, model_dir, tmp_path_factory.mktemp(mode))
+    try:
+        yield cluster
+    finally:
+        if proc.is_alive(cluster.state.processes[0].pid):
+            cluster.stop()

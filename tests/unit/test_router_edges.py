@@ -1,0 +1,352 @@
+"""The router's edges: input checking, configuration, selection, metrics,
+health and model listing. Pure parts are tested directly; the rest through a
+router in front of fake backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from kvpush.router import RouterConfig
+from kvpush.router.config import SUPPORTED_MODES
+from kvpush.router.dispatch import FLOWS
+from kvpush.router.metrics import RouterMetrics
+from kvpush.router.requests import parse_request
+from kvpush.router.selection import RoundRobinSelector
+from kvpush.topology import Backend, Topology, dump_topology
+from tests.fakes import dead_url, routed
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPLETION = {"model": "m", "prompt": "one two", "max_tokens": 3}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+P0 = Backend(role="prefill", url="http://127.0.0.1:1", engine_id="p0")
+P1 = Backend(role="prefill", url="http://127.0.0.1:2", engine_id="p1")
+D0 = Backend(role="decode", url="http://127.0.0.1:3", engine_id="d0")
+D1 = Backend(role="decode", url="http://127.0.0.1:4", engine_id="d1")
+PD = Topology(mode="vllm-pull", backends=(P0, D0))
+
+
+def _is_openai_error(body: Any) -> bool:
+    return set(body) == {"error"} and set(body["error"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+
+
+# -- bad input -------------------------------------------------------------------
+
+BAD_BODIES: list[tuple[str, str, bytes, str]] = [
+    ("not json", "/v1/completions", b"{nope", "not valid JSON"),
+    ("json array", "/v1/completions", b"[1, 2]", "JSON object"),
+    ("no prompt", "/v1/completions", b'{"model": "m"}', "prompt"),
+    ("no messages", "/v1/chat/completions", b'{"prompt": "x"}', "messages"),
+    (
+        "max_tokens 0",
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 0}',
+        "max_tokens",
+    ),
+    (
+        "max_tokens str",
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": "3"}',
+        "max_tokens",
+    ),
+    (
+        "max_tokens float",
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 2.5}',
+        "max_tokens",
+    ),
+    (
+        "max_completion_tokens 0",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+        "max_completion_tokens",
+    ),
+    ("n 2", "/v1/completions", b'{"prompt": "x", "n": 2}', "n > 1"),
+    ("stream str", "/v1/completions", b'{"prompt": "x", "stream": "yes"}', "stream"),
+    (
+        "client kv params",
+        "/v1/completions",
+        b'{"prompt": "x", "kv_transfer_params": {"do_remote_decode": true}}',
+        "reserved for the router",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "fragment"),
+    [case[1:] for case in BAD_BODIES],
+    ids=[case[0] for case in BAD_BODIES],
+)
+async def test_bad_input_is_400_and_reaches_no_backend(
+    path: str, raw: bytes, fragment: str
+) -> None:
+    async with routed("vllm-push") as r:
+        reply = await r.post(path, raw)
+        received = [rec for fake in r.cluster.fakes for rec in fake.received]
+    assert reply.status == 400
+    body = reply.json()
+    assert _is_openai_error(body) and fragment in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
+    assert received == []
+    assert reply.headers["X-Request-Id"]
+
+
+async def test_colocated_mode_accepts_n_above_one() -> None:
+    async with routed("colocated") as r:
+        reply = await r.post("/v1/completions", {**COMPLETION, "n": 2})
+    assert reply.status == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/nothing", 404),
+        ("POST", "/v2/completions", 404),
+        ("GET", "/v1/completions", 405),
+    ],
+)
+async def test_unknown_routes_answer_json_errors(
+    method: str, path: str, status: int
+) -> None:
+    async with (
+        routed("colocated") as r,
+        r.http.request(method, r.url + path) as resp,
+    ):
+        body = msgspec.json.decode(await resp.read())
+    assert resp.status == status and _is_openai_error(body)
+
+
+async def test_oversized_body_is_413() -> None:
+    async with routed("colocated", max_body_bytes=2048) as r:
+        reply = await r.post("/v1/completions", {"prompt": "x" * 4096})
+    assert reply.status == 413 and _is_openai_error(reply.json())
+
+
+async def test_bad_client_request_id_is_refused() -> None:
+    async with routed("colocated") as r:
+        reply = await r.post("/v1/completions", COMPLETION, {"X-Request-Id": "a b/c"})
+    assert reply.status == 400 and "X-Request-Id" in reply.json()["error"]["message"]
+
+
+def test_leg_bodies_follow_the_vllm_contract() -> None:
+    raw = msgspec.json.encode(
+        {
+            **CHAT,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_completion_tokens": 9,
+        }
+    )
+    parsed = parse_request(raw, "chat", allow_n=False)
+    prefill = msgspec.json.decode(parsed.prefill_body())
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert "stream_options" not in prefill and "max_completion_tokens" not in prefill
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    decode = msgspec.json.decode(parsed.decode_body({"a": 1}))
+    assert decode == {**msgspec.json.decode(raw), "kv_transfer_params": {"a": 1}}
+    assert parsed.body == msgspec.json.decode(raw)  # leg bodies never touch it
+
+
+# -- configuration ---------------------------------------------------------------
+
+
+def test_every_supported_mode_has_exactly_one_flow() -> None:
+    assert set(FLOWS) == set(SUPPORTED_MODES)
+
+
+def test_kvpush_mode_is_refused_for_now() -> None:
+    with pytest.raises(ValueError, match="kvpush mode is not available yet"):
+        RouterConfig(topology=Topology(mode="kvpush", backends=(P0, D0)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"port": 70000}, "port"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"connect_timeout_s": 700.0}, "connect_timeout_s"),
+        ({"health_timeout_s": -1.0}, "health_timeout_s"),
+        ({"max_body_bytes": 10}, "max_body_bytes"),
+        ({"topology": Topology(mode="vllm-pull", backends=(P0,))}, "decode"),
+        (
+            {"topology": Topology(mode="colocated", backends=(P0, D0))},
+            "colocated",
+        ),
+        (
+            {
+                "topology": Topology(
+                    mode="vllm-pull",
+                    backends=(
+                        P0,
+                        Backend(role="decode", url="127.0.0.1:9", engine_id="d"),
+                    ),
+                )
+            },
+            "http://",
+        ),
+    ],
+)
+def test_config_errors_say_what_to_change(
+    overrides: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        RouterConfig(**{"topology": PD, **overrides})
+
+
+def test_round_robin_cycles_each_role_independently() -> None:
+    selector = RoundRobinSelector()
+    request = parse_request(
+        msgspec.json.encode(COMPLETION), "completions", allow_n=False
+    )
+    picks = [
+        (
+            selector.pick_prefill((P0, P1), request).engine_id,
+            selector.pick_decode((D0, D1), request).engine_id,
+        )
+        for _ in range(3)
+    ]
+    assert picks == [("p0", "d0"), ("p1", "d1"), ("p0", "d0")]
+    assert selector.pick_decode((D0, D1), request).engine_id == "d1"
+
+
+# -- metrics, health, models ------------------------------------------------------
+
+
+def test_metrics_render_prometheus_text() -> None:
+    metrics = RouterMetrics("vllm-push")
+    metrics.request_started()
+    metrics.observe_ttft("chat", 0.03)
+    metrics.observe_prefill(0.02, "ok")
+    metrics.request_finished("chat", "200", 0.2)
+    metrics.error("timeout")
+    text = metrics.render()
+    assert (
+        'kvpush_router_requests_total{mode="vllm-push",endpoint="chat",status="200"} 1'
+        in text
+    )
+    assert 'kvpush_router_errors_total{mode="vllm-push",cause="timeout"} 1' in text
+    assert 'kvpush_router_requests_in_flight{mode="vllm-push"} 0' in text
+    ttft = 'kvpush_router_ttft_seconds_bucket{mode="vllm-push",endpoint="chat"'
+    assert f'{ttft},le="0.05"}} 1' in text
+    assert f'{ttft},le="0.025"}} 0' in text
+    assert (
+        'kvpush_router_prefill_leg_seconds_count{mode="vllm-push",outcome="ok"} 1'
+        in text
+    )
+    assert "# TYPE kvpush_router_request_latency_seconds histogram" in text
+
+
+async def test_metrics_endpoint_counts_served_and_refused_requests() -> None:
+    async with routed("vllm-pull") as r:
+        assert (await r.post("/v1/completions", COMPLETION)).status == 200
+        assert (
+            await r.post("/v1/chat/completions", {**CHAT, "stream": True})
+        ).status == 200
+        assert (await r.post("/v1/completions", b"[]")).status == 400
+        reply = await r.get("/metrics")
+    text = reply.body.decode()
+    assert reply.headers["Content-Type"].startswith("text/plain")
+    labels = 'mode="vllm-pull",endpoint="completions"'
+    assert f'kvpush_router_requests_total{{{labels},status="200"}} 1' in text
+    assert f'kvpush_router_requests_total{{{labels},status="400"}} 1' in text
+    assert (
+        'kvpush_router_requests_total{mode="vllm-pull",endpoint="chat",status="200"} 1'
+        in text
+    )
+    assert 'kvpush_router_errors_total{mode="vllm-pull",cause="bad_request"} 1' in text
+    assert f"kvpush_router_ttft_seconds_count{{{labels}}} 1" in text
+    assert (
+        'kvpush_router_prefill_leg_seconds_count{mode="vllm-pull",outcome="ok"} 2'
+        in text
+    )
+
+
+async def test_health_is_ok_when_every_backend_is() -> None:
+    async with routed("vllm-push", num_decodes=2) as r:
+        reply = await r.get("/health")
+    body = reply.json()
+    assert reply.status == 200 and body["status"] == "ok"
+    assert sorted(b["engine_id"] for b in body["backends"]) == [
+        "decode0",
+        "decode1",
+        "prefill0",
+    ]
+
+
+async def test_health_is_503_naming_sick_and_dead_backends() -> None:
+    async with routed("vllm-pull", url_overrides={"prefill0": dead_url()}) as r:
+        r.cluster.decodes[0].health_status = 500
+        reply = await r.get("/health")
+    body = reply.json()
+    assert reply.status == 503 and body["status"] == "degraded"
+    by_id = {b["engine_id"]: b for b in body["backends"]}
+    assert by_id["decode0"]["status"] == 500 and not by_id["decode0"]["healthy"]
+    assert by_id["prefill0"]["status"] is None and by_id["prefill0"]["error"]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "vllm-push"])
+async def test_models_come_from_the_first_decode_or_colocated(mode: str) -> None:
+    async with routed(mode) as r:
+        reply = await r.get("/v1/models")
+    assert reply.status == 200
+    owner = reply.json()["data"][0]["owned_by"]
+    assert owner == ("colocated0" if mode == "colocated" else "decode0")
+
+
+# -- the blocking entry point ------------------------------------------------------
+
+
+async def test_run_router_serves_until_sigterm_then_exits_cleanly(
+    tmp_path: Path,
+) -> None:
+    async with routed("colocated") as r:
+        topology_path = tmp_path / "topology.json"
+        dump_topology(r.cluster.topology(), topology_path)
+        port = int(dead_url().rsplit(":", 1)[1])
+        code = (
+            "from pathlib import Path\n"
+            "from kvpush.router import RouterConfig, run_router\n"
+            "from kvpush.topology import load_topology\n"
+            f"topology = load_topology(Path({str(topology_path)!r}))\n"
+            f"run_router(RouterConfig(topology=topology, port={port}))\n"
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, cwd=REPO_ROOT, stderr=asyncio.subprocess.PIPE
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await _wait_healthy(r.http, url)
+            async with r.http.post(url + "/v1/completions", json=COMPLETION) as resp:
+                assert resp.status == 200
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(5.0):
+                assert await proc.wait() == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def _wait_healthy(http: aiohttp.ClientSession, url: str) -> None:
+    async with asyncio.timeout(10.0):
+        while True:
+            try:
+                async with http.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.05)
