@@ -10,10 +10,13 @@ Loaded by vLLM through ``kv_connector_module_path``::
 exactly as upstream except for these two things, which on a small CPU
 machine make the baselines erratic or hang (see ``docs/architecture.md``):
 
-1. NIXL's agent starts a UCX progress thread by default that busy-polls a
-   whole core even when idle. The worker's agent is created with
-   ``enable_prog_thread=False``; transfers still complete because vLLM polls
-   transfer state from its own loop.
+1. NIXL's agent starts a progress thread that busy-polls a whole core even
+   when idle (NIXL's Python API hard-codes its poll delay to 0). The worker's
+   agent gets a progress thread that sleeps ``PROGRESS_DELAY_US`` between
+   polls instead. Turning the thread off altogether (``enable_prog_thread=
+   False``) also stops the spin and serves sequential requests, but vLLM's
+   push then wedges for good under 16 concurrent requests (its PUSH_REG
+   notifications stop being progressed): measured here, see BENCHMARKS.md.
 2. vLLM's NIXL worker calls ``os.sched_setaffinity(0, ...)`` while it is
    constructed, moving the worker's forward thread onto the last core of the
    NUMA node, which on a two-core machine is the other instance's core. The
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,30 +40,38 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector,
 )
 
+# How long NIXL's progress thread sleeps between polls (microseconds).
+# 500 us: idle workers use ~3% of a core instead of 100%, and vLLM push
+# handles 16 concurrent requests (with the thread off it wedges under load).
+PROGRESS_DELAY_US = 500
 
-def _without_progress_thread(make_config: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``nixl_agent_config`` so that every agent it configures has no
-    busy-polling progress thread."""
 
-    def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_prog_thread"] = False
-        return make_config(*args, **kwargs)
+def _with_progress_delay(
+    make_agent: Callable[..., Any], delay_us: int
+) -> Callable[..., Any]:
+    """Wrap NIXL's native agent constructor so that the agent's progress
+    thread sleeps ``delay_us`` between polls instead of spinning."""
+
+    def make(name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return make_agent(name, config)
 
     return make
 
 
 @contextlib.contextmanager
 def fair_worker_construction() -> Iterator[None]:
-    """Around the construction of vLLM's NIXL worker: force the agent's
-    progress thread off and put the thread's CPU affinity back afterwards."""
+    """Around the construction of vLLM's NIXL worker: make the agent's
+    progress thread poll every ``PROGRESS_DELAY_US`` instead of spinning,
+    and put the thread's CPU affinity back afterwards."""
     affinity = os.sched_getaffinity(0)
-    original = base_worker.nixl_agent_config
-    if original is not None:
-        base_worker.nixl_agent_config = _without_progress_thread(original)
+    bindings = sys.modules[base_worker.NixlWrapper.__module__].nixlBind
+    original = bindings.nixlAgent
+    bindings.nixlAgent = _with_progress_delay(original, PROGRESS_DELAY_US)
     try:
         yield
     finally:
-        base_worker.nixl_agent_config = original
+        bindings.nixlAgent = original
         os.sched_setaffinity(0, affinity)
 
 
