@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvpush.topology import Topology
 
 # Modes the router has a flow for (see ``kvpush.router.dispatch.FLOWS``).
-SUPPORTED_MODES: tuple[str, ...] = ("colocated", "vllm-pull", "vllm-push")
+SUPPORTED_MODES: tuple[str, ...] = ("colocated", "vllm-pull", "vllm-push", "kvpush")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -39,11 +39,6 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self.topology.validate()
-        if self.topology.mode == "kvpush":
-            raise ValueError(
-                "kvpush mode is not available yet in the router; use mode "
-                "'vllm-push', 'vllm-pull' or 'colocated' in the topology"
-            )
         if self.topology.mode not in SUPPORTED_MODES:
             raise ValueError(
                 f"unknown router mode {self.topology.mode!r}; use one of "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from kvpush.router.metrics import RouterMetrics
 from kvpush.router.requests import ParsedRequest, PushDecodeParams, returned_kv_params
 from kvpush.router.selection import Selector
 from kvpush.topology import Backend
+from kvpush.transfer.messages import DecodeLeg, PrefillLeg
 
 logger = logging.getLogger(__name__)
 
@@ -173,18 +175,56 @@ async def pull_flow(ctx: FlowContext) -> web.StreamResponse:
 
 
 async def push_flow(ctx: FlowContext) -> web.StreamResponse:
-    """vLLM push: both legs at once; the client gets decode's answer.
+    """vLLM push: both legs at once, paired by vLLM through the shared
+    X-Request-Id; decode is told the prefill's engine id and side channel."""
 
-    Whichever leg fails before decode produced output decides the reply; the
-    other is aborted by :func:`serve`. Prefill's answer is read and dropped.
+    def params(prefill: Backend, decode: Backend) -> tuple[Any, Any]:
+        return None, PushDecodeParams.for_prefill(prefill, ctx.request_id)
+
+    return await _concurrent_flow(ctx, params)
+
+
+async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
+    """kvpush: both legs at once, paired exactly by a fresh transfer id; each
+    leg names the peer it needs (prefill: the decode engine it pushes to;
+    decode: the prefill engine and side channel it registers with)."""
+    transfer_id = uuid.uuid4().hex
+    logger.debug("request %s: transfer %s", ctx.request_id, transfer_id)
+
+    def params(prefill: Backend, decode: Backend) -> tuple[Any, Any]:
+        return (
+            PrefillLeg(transfer_id=transfer_id, decode_engine_id=decode.engine_id),
+            DecodeLeg(
+                transfer_id=transfer_id,
+                prefill_engine_id=prefill.engine_id,
+                prefill_host=prefill.side_channel_host,
+                prefill_port=prefill.side_channel_port,
+            ),
+        )
+
+    return await _concurrent_flow(ctx, params)
+
+
+async def _concurrent_flow(
+    ctx: FlowContext, make_params: Callable[[Backend, Backend], tuple[Any, Any]]
+) -> web.StreamResponse:
+    """Both legs at once; the client gets decode's answer.
+
+    ``make_params(prefill, decode)`` gives the two legs' ``kv_transfer_params``
+    (None for prefill means vLLM's ``do_remote_decode``). Whichever leg fails
+    before decode produced output decides the reply; the other is aborted by
+    :func:`serve`. Prefill's answer is read and dropped.
     """
     topology, parsed = ctx.config.topology, ctx.parsed
     prefill = ctx.selector.pick_prefill(topology.prefills, parsed)
     decode = ctx.selector.pick_decode(topology.decodes, parsed)
-    params = PushDecodeParams.for_prefill(prefill, ctx.request_id)
-    prefill_task = ctx.legs.spawn(_run_prefill(ctx, prefill), "prefill-leg")
+    prefill_params, decode_params = make_params(prefill, decode)
+    prefill_task = ctx.legs.spawn(
+        _run_prefill(ctx, prefill, prefill_params), "prefill-leg"
+    )
     decode_task = ctx.legs.spawn(
-        _open_first(ctx, "decode", decode, parsed.decode_body(params)), "decode-leg"
+        _open_first(ctx, "decode", decode, parsed.decode_body(decode_params)),
+        "decode-leg",
     )
     response, first = await _await_decode_start(prefill_task, decode_task)
     out = await _relay(ctx, "decode", decode, response, first)
@@ -196,6 +236,7 @@ FLOWS: dict[str, Flow] = {
     "colocated": colocated_flow,
     "vllm-pull": pull_flow,
     "vllm-push": push_flow,
+    "kvpush": kvpush_flow,
 }
 
 
@@ -239,11 +280,14 @@ async def _settle_prefill(ctx: FlowContext, task: asyncio.Task[bytes]) -> None:
 # -- legs ------------------------------------------------------------------
 
 
-async def _run_prefill(ctx: FlowContext, backend: Backend) -> bytes:
+async def _run_prefill(
+    ctx: FlowContext, backend: Backend, kv_transfer_params: Any = None
+) -> bytes:
     """Send the prefill leg and return its (successful) answer's body."""
     started, outcome = time.monotonic(), "aborted"
     try:
-        response = await _open(ctx, "prefill", backend, ctx.parsed.prefill_body())
+        body = ctx.parsed.prefill_body(kv_transfer_params)
+        response = await _open(ctx, "prefill", backend, body)
         body = await _read_rest("prefill", backend, response)
         if response.status >= 400:
             outcome = "error"

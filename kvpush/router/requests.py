@@ -72,14 +72,18 @@ class ParsedRequest:
     def path(self) -> str:
         return ENDPOINT_PATHS[self.endpoint]
 
-    def prefill_body(self) -> bytes:
-        """The prefill leg: one token, no streaming, KV kept for a remote decode."""
+    def prefill_body(self, kv_transfer_params: Any = None) -> bytes:
+        """The prefill leg: one token, no streaming, KV kept for a remote
+        decode (vLLM's ``do_remote_decode`` unless other params are given)."""
         body = dict(self.body)
         for key in ("max_completion_tokens", "stream_options", "min_tokens"):
             body.pop(key, None)
         body["max_tokens"] = 1
         body["stream"] = False
-        body["kv_transfer_params"] = msgspec.to_builtins(RemoteDecodeParams())
+        params = (
+            RemoteDecodeParams() if kv_transfer_params is None else kv_transfer_params
+        )
+        body["kv_transfer_params"] = msgspec.to_builtins(params)
         return msgspec.json.encode(body)
 
     def decode_body(self, kv_transfer_params: Any) -> bytes:

@@ -212,21 +212,25 @@ class FakeVllm:
         rec.answer = self._completion(rec)
         rec.answered_at = time.monotonic()
         if self._is_prefill_leg(rec) and self.fabric is not None:
-            self.fabric.publish(str(rec.request_id), prompt_text(rec.body))
+            self.fabric.publish(_pairing_key(rec), prompt_text(rec.body))
         return web.json_response(rec.answer)
 
     def _is_prefill_leg(self, rec: Received) -> bool:
         params = rec.kv_transfer_params
-        return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+        return isinstance(params, dict) and (
+            bool(params.get("do_remote_decode")) or params.get("role") == "prefill"
+        )
 
     async def _await_kv(self, rec: Received) -> str | None:
         """A decode leg waits for its KV; returns an error text or None."""
         params = rec.kv_transfer_params
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        if not isinstance(params, dict) or not (
+            params.get("do_remote_prefill") or params.get("role") == "decode"
+        ):
             return None
         if self.fabric is None:
             return "decode leg sent to a fake without a KvFabric"
-        remote_id = str(params.get("remote_request_id"))
+        remote_id = _pairing_key(rec)
         prompt = await self.fabric.wait(remote_id, self.kv_wait_s)
         if prompt is None:
             return f"KV for {remote_id} never arrived"
@@ -246,7 +250,11 @@ class FakeVllm:
         else:
             answer["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
         answer["usage"] = _usage(body)
-        if self._is_prefill_leg(rec) and self.is_kv_producer:
+        if (
+            self._is_prefill_leg(rec)
+            and self.is_kv_producer
+            and "role" not in (rec.kv_transfer_params or {})
+        ):
             answer["kv_transfer_params"] = self._returned_kv_params(rec)
         return answer
 
@@ -346,3 +354,12 @@ def _vllm_error(status: int, message: str) -> bytes:
         "code": status,
     }
     return msgspec.json.encode({"error": error})
+
+
+def _pairing_key(rec: Received) -> str:
+    """What a fake P/D pair matches legs by: kvpush's transfer id when the
+    leg has one, else (vLLM push) the request id decode names or carries."""
+    params = rec.kv_transfer_params if isinstance(rec.kv_transfer_params, dict) else {}
+    if "transfer_id" in params:
+        return str(params["transfer_id"])
+    return str(params.get("remote_request_id") or rec.request_id)

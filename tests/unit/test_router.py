@@ -155,6 +155,38 @@ async def test_push_sends_both_legs_at_once_in_either_arrival_order(
     }
 
 
+@pytest.mark.parametrize("late_role", ["prefill", "decode"])
+async def test_kvpush_pairs_legs_by_one_fresh_transfer_id(late_role: str) -> None:
+    async with routed("kvpush") as r:
+        prefill_fake, decode_fake = r.cluster.prefills[0], r.cluster.decodes[0]
+        late = prefill_fake if late_role == "prefill" else decode_fake
+        late.fault = Fault(arrival_delay_s=0.2)
+        for _ in range(2):
+            await _check_reply(r, "completions", _streaming(COMPLETION))
+        prefills, decodes = prefill_fake.received, decode_fake.received
+
+    first, second = (
+        (decodes, prefills) if late_role == "prefill" else (prefills, decodes)
+    )
+    assert first[0].arrived_at < second[0].arrived_at
+    ids = [p.kv_transfer_params["transfer_id"] for p in prefills]
+    assert len(set(ids)) == 2  # one per request, never reused
+    for prefill, decode in zip(prefills, decodes, strict=True):
+        assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+        assert prefill.kv_transfer_params == {
+            "role": "prefill",
+            "transfer_id": prefill.kv_transfer_params["transfer_id"],
+            "decode_engine_id": "decode0",
+        }
+        assert decode.kv_transfer_params == {
+            "role": "decode",
+            "transfer_id": prefill.kv_transfer_params["transfer_id"],
+            "prefill_engine_id": "prefill0",
+            "prefill_host": "127.0.0.1",
+            "prefill_port": prefill_fake.side_channel_port,
+        }
+
+
 async def test_push_legs_overlap_in_time() -> None:
     """Decode is sent while prefill is still computing, not after it."""
     async with routed("vllm-push") as r:

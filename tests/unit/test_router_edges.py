@@ -167,11 +167,6 @@ def test_every_supported_mode_has_exactly_one_flow() -> None:
     assert set(FLOWS) == set(SUPPORTED_MODES)
 
 
-def test_kvpush_mode_is_refused_for_now() -> None:
-    with pytest.raises(ValueError, match="kvpush mode is not available yet"):
-        RouterConfig(topology=Topology(mode="kvpush", backends=(P0, D0)))
-
-
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [

@@ -1,0 +1,347 @@
+"""Pair decode's registrations with prefill's finished KV, in either order.
+
+One :class:`Matcher` lives on each prefill worker and is owned by the one
+thread that handles side-channel messages and prefill triggers (the adapter
+feeds it through a queue). It is pure: every call takes ``now`` from the
+caller's clock and returns a typed result; nothing raises for bad peer input.
+
+Who calls what:
+
+* :meth:`Matcher.add_registration` when a :class:`Registration` arrives;
+* :meth:`Matcher.add_ready` when prefill has computed a prompt whose leg is a
+  :class:`PrefillLeg` (the trigger: transfer id, source block ids, tokens);
+* :meth:`Matcher.cancel` on a :class:`Cancel` from decode, or when prefill
+  aborts the request itself;
+* :meth:`Matcher.expire` periodically (see :meth:`Matcher.next_deadline`).
+
+Ownership: while an entry is pending, the matcher holds it and its deadline
+(prefill's source blocks stay allocated; decode's destination blocks stay
+reserved on decode). A :class:`Matched` hands both to the writer, which then
+owns the transfer; a :class:`Dropped` hands them back to the caller to free
+(``free_src_block_ids``) and to tell decode (``notify_engine_id``, with a
+:class:`Failure`). A :class:`Rejected` means the matcher took nothing from
+this call: the caller still owns what it passed in.
+
+Prefix cache: decode registers only blocks ``first_block`` onwards of the
+prompt's ``n = ceil(num_tokens / block_size)`` blocks. The match pairs
+``ready.src_block_ids[first_block:n]`` with ``registration.dst_block_ids``
+one to one; blocks ``0..first_block-1`` are not sent. Prefill may hold more
+than ``n`` source blocks (extra trailing blocks are ignored) but not fewer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvpush.transfer.messages import Registration
+
+Side = Literal["registration", "ready"]
+RejectCode = Literal["duplicate", "closed", "mismatch", "invalid", "capacity"]
+_Tomb = Literal["matched", "closed"]
+
+
+@dataclass(frozen=True)
+class ReadyKv:
+    """Prefill's trigger: the prompt's KV for ``transfer_id`` is computed in
+    ``src_block_ids`` (block ``i`` of the prompt in ``src_block_ids[i]``);
+    ``decode_engine_id`` comes from the request's :class:`PrefillLeg`."""
+
+    transfer_id: str
+    src_block_ids: tuple[int, ...]
+    num_tokens: int
+    decode_engine_id: str
+
+
+@dataclass(frozen=True)
+class MatcherConfig:
+    """``block_size`` in tokens (both sides must agree: the Hello checks it).
+    ``ready_ttl_s``: how long finished KV waits for its registration.
+    ``post_margin_s``: a registration's deadline is its arrival plus its
+    ``ttl_s`` minus this margin, covering transit and the WRITE itself, so
+    prefill never writes into blocks decode has already freed.
+    ``tombstone_ttl_s``: how long a finished transfer id is remembered, to
+    reject late or repeated messages. ``max_pending``: cap on entries."""
+
+    block_size: int
+    ready_ttl_s: float = 30.0
+    post_margin_s: float = 1.0
+    tombstone_ttl_s: float = 120.0
+    max_pending: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {self.block_size}")
+        if self.ready_ttl_s <= 0 or self.tombstone_ttl_s <= 0:
+            raise ValueError("ready_ttl_s and tombstone_ttl_s must be > 0 seconds")
+        if self.post_margin_s < 0:
+            raise ValueError(f"post_margin_s must be >= 0, got {self.post_margin_s}")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+
+
+@dataclass(frozen=True)
+class Matched:
+    """Both halves are here: copy ``src_block_ids[i]`` to ``dst_block_ids[i]``
+    and post nothing after ``post_deadline``. The writer now owns it."""
+
+    transfer_id: str
+    registration: Registration
+    ready: ReadyKv
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    post_deadline: float
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Held until the other half arrives or ``deadline`` passes."""
+
+    transfer_id: str
+    side: Side
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A pending entry that the matcher let go (expired, cancelled, or closed
+    by a mismatch). Exactly one of ``registration`` and ``ready`` is set."""
+
+    transfer_id: str
+    side: Side
+    reason: str
+    registration: Registration | None = None
+    ready: ReadyKv | None = None
+
+    @property
+    def free_src_block_ids(self) -> tuple[int, ...]:
+        """Prefill blocks the caller must now free (none for a registration)."""
+        return self.ready.src_block_ids if self.ready else ()
+
+    @property
+    def notify_engine_id(self) -> str:
+        """The decode engine to send a :class:`Failure` to."""
+        if self.registration is not None:
+            return self.registration.decode_engine_id
+        return self.ready.decode_engine_id if self.ready else ""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The call changed nothing it was given. ``code`` ``"duplicate"`` means
+    the transfer goes on without this message (do not tell decode); any
+    other code means the transfer cannot complete, so tell decode with a
+    :class:`Failure`. ``dropped`` lists entries this rejection closed."""
+
+    transfer_id: str
+    code: RejectCode
+    reason: str
+    dropped: tuple[Dropped, ...] = ()
+
+    @property
+    def tells_peer(self) -> bool:
+        return self.code != "duplicate"
+
+
+AddResult = Matched | Pending | Rejected
+
+
+@dataclass(frozen=True)
+class _Held:
+    deadline: float
+    registration: Registration | None = None
+    ready: ReadyKv | None = None
+
+
+class Matcher:
+    """Pending registrations and ready KV, keyed by transfer id."""
+
+    def __init__(self, config: MatcherConfig) -> None:
+        self.config = config
+        self._registrations: dict[str, _Held] = {}
+        self._ready: dict[str, _Held] = {}
+        self._tombs: dict[str, tuple[_Tomb, float]] = {}
+
+    def __len__(self) -> int:
+        """Number of pending entries (both sides)."""
+        return len(self._registrations) + len(self._ready)
+
+    def add_registration(self, reg: Registration, now: float) -> AddResult:
+        """Decode's half arrived. ``reg`` was already decoded and validated."""
+        tid = reg.transfer_id
+        problem = self._self_problem(
+            reg.num_tokens, reg.first_block, len(reg.dst_block_ids)
+        )
+        if reg.ttl_s <= self.config.post_margin_s:
+            problem = problem or (
+                f"ttl_s {reg.ttl_s} does not exceed post_margin_s "
+                f"{self.config.post_margin_s}"
+            )
+        held = _Held(now + reg.ttl_s - self.config.post_margin_s, registration=reg)
+        return self._add(tid, "registration", held, problem, now)
+
+    def add_ready(self, ready: ReadyKv, now: float) -> AddResult:
+        """Prefill's half is computed. Source ids must be distinct."""
+        n = self._num_blocks(ready.num_tokens)
+        problem = None
+        if ready.num_tokens < 1:
+            problem = f"num_tokens must be >= 1, got {ready.num_tokens}"
+        elif len(ready.src_block_ids) < n:
+            problem = (
+                f"{ready.num_tokens} tokens need {n} blocks, "
+                f"prefill holds {len(ready.src_block_ids)}"
+            )
+        elif len(set(ready.src_block_ids)) != len(ready.src_block_ids):
+            problem = "source block ids repeat"
+        held = _Held(now + self.config.ready_ttl_s, ready=ready)
+        return self._add(ready.transfer_id, "ready", held, problem, now)
+
+    def cancel(self, transfer_id: str, reason: str, now: float) -> tuple[Dropped, ...]:
+        """Drop whatever is pending for ``transfer_id`` and refuse its later
+        messages. Returns nothing after a match: the writer owns the
+        transfer then (see :meth:`was_matched`) and must be told directly."""
+        if self.was_matched(transfer_id):
+            return ()
+        sides: tuple[Side, ...] = ("registration", "ready")
+        dropped = tuple(
+            self._drop(transfer_id, side, f"cancelled: {reason}")
+            for side in sides
+            if transfer_id in self._side(side)
+        )
+        self._tomb(transfer_id, "closed", now)
+        return dropped
+
+    def expire(self, now: float) -> list[Dropped]:
+        """Drop every entry whose deadline is ``<= now`` (earliest first) and
+        forget tombstones that are old enough."""
+        sides: tuple[Side, ...] = ("registration", "ready")
+        due = sorted(
+            (held.deadline, side, tid)
+            for side in sides
+            for tid, held in self._side(side).items()
+            if held.deadline <= now
+        )
+        out: list[Dropped] = []
+        for _, side, tid in due:
+            out.append(self._drop(tid, side, _expiry_reason(side)))
+            self._tomb(tid, "closed", now)
+        for tid in [t for t, (_, until) in self._tombs.items() if until <= now]:
+            del self._tombs[tid]
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest pending deadline, for scheduling the next expire()."""
+        deadlines = [h.deadline for h in self._registrations.values()]
+        deadlines += [h.deadline for h in self._ready.values()]
+        return min(deadlines, default=None)
+
+    def was_matched(self, transfer_id: str) -> bool:
+        return self._tombs.get(transfer_id, ("closed", 0.0))[0] == "matched"
+
+    def is_pending(self, transfer_id: str) -> bool:
+        return transfer_id in self._registrations or transfer_id in self._ready
+
+    # -- internals --------------------------------------------------------
+
+    def _add(
+        self, tid: str, side: Side, held: _Held, problem: str | None, now: float
+    ) -> AddResult:
+        if tid in self._tombs:
+            kind = self._tombs[tid][0]
+            if kind == "matched":
+                return Rejected(tid, "duplicate", f"transfer {tid} is already matched")
+            return Rejected(tid, "closed", f"transfer {tid} was already closed")
+        if tid in self._side(side):
+            return Rejected(tid, "duplicate", f"{side} for {tid} is already pending")
+        other: Side = "ready" if side == "registration" else "registration"
+        if problem is not None:
+            return self._close(tid, other, "invalid", problem, now)
+        waiting = self._side(other).get(tid)
+        if waiting is None:
+            if len(self) >= self.config.max_pending:
+                return Rejected(
+                    tid, "capacity", f"{len(self)} transfers already pending"
+                )
+            self._side(side)[tid] = held
+            return Pending(tid, side, held.deadline)
+        if waiting.deadline <= now:
+            return self._close(tid, other, "closed", f"{other} for {tid} expired", now)
+        return self._match(tid, side, held, waiting, now)
+
+    def _match(
+        self, tid: str, side: Side, held: _Held, waiting: _Held, now: float
+    ) -> Matched | Rejected:
+        reg_held, ready_held = (
+            (held, waiting) if side == "registration" else (waiting, held)
+        )
+        reg, ready = reg_held.registration, ready_held.ready
+        if reg is None or ready is None:  # unreachable: one entry of each side
+            raise RuntimeError("matcher state corrupt")
+        other: Side = "ready" if side == "registration" else "registration"
+        mismatch = self._mismatch(reg, ready)
+        if mismatch is not None:
+            return self._close(tid, other, "mismatch", mismatch, now)
+        del self._side(other)[tid]
+        self._tomb(tid, "matched", now)
+        n = self._num_blocks(ready.num_tokens)
+        return Matched(
+            transfer_id=tid,
+            registration=reg,
+            ready=ready,
+            src_block_ids=ready.src_block_ids[reg.first_block : n],
+            dst_block_ids=reg.dst_block_ids,
+            post_deadline=reg_held.deadline,
+        )
+
+    def _close(
+        self, tid: str, other: Side, code: RejectCode, reason: str, now: float
+    ) -> Rejected:
+        """Reject the new entry and drop the other side's, if any."""
+        dropped: tuple[Dropped, ...] = ()
+        if tid in self._side(other):
+            dropped = (self._drop(tid, other, f"closed: {reason}"),)
+        self._tomb(tid, "closed", now)
+        return Rejected(tid, code, reason, dropped)
+
+    def _mismatch(self, reg: Registration, ready: ReadyKv) -> str | None:
+        if reg.decode_engine_id != ready.decode_engine_id:
+            return (
+                f"registration from {reg.decode_engine_id!r}, but the request "
+                f"names decode {ready.decode_engine_id!r}"
+            )
+        if reg.num_tokens != ready.num_tokens:
+            return (
+                f"decode expects {reg.num_tokens} tokens, "
+                f"prefill has {ready.num_tokens}"
+            )
+        return None
+
+    def _self_problem(
+        self, num_tokens: int, first_block: int, count: int
+    ) -> str | None:
+        n = self._num_blocks(num_tokens)
+        if first_block < 0 or count < 1 or first_block + count != n:
+            return (
+                f"{num_tokens} tokens are {n} blocks, but the registration "
+                f"covers blocks {first_block}..{first_block + count - 1}"
+            )
+        return None
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _side(self, side: Side) -> dict[str, _Held]:
+        return self._registrations if side == "registration" else self._ready
+
+    def _drop(self, tid: str, side: Side, reason: str) -> Dropped:
+        held = self._side(side).pop(tid)
+        return Dropped(tid, side, reason, held.registration, held.ready)
+
+    def _tomb(self, tid: str, kind: _Tomb, now: float) -> None:
+        self._tombs[tid] = (kind, now + self.config.tombstone_ttl_s)
+
+
+def _expiry_reason(side: Side) -> str:
+    if side == "registration":
+        return "expired: prefill's KV was not ready before the registration's deadline"
+    return "expired: no registration arrived before the ready KV's deadline"

@@ -1,0 +1,257 @@
+"""kvpush's wire protocol between a decode and a prefill instance.
+
+Two channels carry these messages, both through :func:`encode` and
+:func:`decode`:
+
+* the **side channel** (a socket the prefill worker listens on; its host and
+  port reach decode in :class:`DecodeLeg`): decode sends :class:`Hello` once
+  per prefill peer, then a :class:`Registration` per transfer and
+  :class:`Cancel` when it gives one up; prefill answers a Hello with
+  :class:`HelloReply` and tells decode about transfers it will not complete
+  with :class:`Failure`;
+* the **NIXL notification** posted with the last WRITE of a transfer carries a
+  :class:`Done`, so decode learns the data landed with no extra message.
+
+On the wire a message is the msgpack array ``[version, body]``, where body is
+a map tagged by its ``"type"`` field. :func:`decode` checks the size first,
+then reads the envelope with the body left undecoded and checks
+``version == PROTOCOL_VERSION``, then the tag, and only then decodes and
+validates the body. Every problem raises :class:`ProtocolError`, and nothing
+else escapes, so a listener survives any input. No pickle anywhere.
+
+:class:`TransferParams` is the typed form of the ``kv_transfer_params`` dict
+the router puts on each leg of a request; the connector converts it once, at
+the edge, with :meth:`TransferParams.from_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvpush.transfer.layout import KvLayout
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_METADATA_BYTES = 2 * 1024 * 1024
+MAX_BLOCKS_PER_MESSAGE = 262_144
+MAX_TTL_S = 3600.0
+
+TransferId = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=1024)]
+BlockIds = Annotated[
+    tuple[Annotated[int, msgspec.Meta(ge=0, lt=2**31)], ...],
+    msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
+]
+FailureCause = Literal[
+    "expired", "cancelled", "rejected", "write_failed", "incompatible", "shutdown"
+]
+
+
+class ProtocolError(Exception):
+    """A message that cannot be sent or accepted; ``reason`` says why.
+
+    Raised by :func:`encode` and :func:`decode` only. The receiver drops the
+    message (and may log the reason); its own state is unchanged."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Decode → prefill, once per peer before its first Registration: who
+    decode is, the NIXL agent metadata prefill loads to write into decode's
+    memory, and decode's KV layout (prefill checks it with
+    :func:`~kvpush.transfer.layout.compat_problem`)."""
+
+    engine_id: Name
+    agent_name: Name
+    nixl_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA_BYTES)]
+    layout: KvLayout
+
+
+class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
+    """Prefill → decode: whether prefill accepted the Hello (``reason`` when
+    not). Decode sends Registrations to a peer only after ``accepted``."""
+
+    engine_id: Name
+    accepted: bool
+    reason: Text = ""
+
+
+class Registration(msgspec.Struct, frozen=True, tag="registration"):
+    """Decode → prefill: "write transfer ``transfer_id`` into these blocks".
+
+    ``dst_block_ids[i]`` receives prompt block ``first_block + i``. Decode
+    skips the first ``first_block`` blocks because its prefix cache already
+    holds them (vLLM's hits are whole blocks); 0 when nothing is cached.
+    ``num_tokens`` is the prompt length decode expects, so
+    ``first_block + len(dst_block_ids) == ceil(num_tokens / block_size)``.
+    ``ttl_s`` is how long decode keeps the blocks reserved, counted from
+    sending; relative because the two clocks are not synchronised. Decode owns
+    the destination blocks throughout; it frees them on Done, Failure, or
+    when its own deadline passes."""
+
+    transfer_id: TransferId
+    decode_engine_id: Name
+    decode_agent_name: Name
+    dst_block_ids: Annotated[BlockIds, msgspec.Meta(min_length=1)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
+    first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        if len(set(self.dst_block_ids)) != len(self.dst_block_ids):
+            raise ValueError("dst_block_ids must not repeat a block id")
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    """Decode → prefill: decode gave the transfer up (request aborted, or its
+    deadline passed) and is freeing the destination blocks; do not write."""
+
+    transfer_id: TransferId
+    engine_id: Name
+    reason: Text = ""
+
+
+class Failure(msgspec.Struct, frozen=True, tag="failure"):
+    """Prefill → decode: prefill will not complete this transfer; decode frees
+    its blocks now instead of waiting out its deadline, and falls back."""
+
+    transfer_id: TransferId
+    engine_id: Name
+    cause: FailureCause
+    detail: Text = ""
+
+
+class Done(msgspec.Struct, frozen=True, tag="done"):
+    """Prefill → decode, as the NIXL notification of a transfer's last WRITE:
+    all ``num_blocks`` registered blocks hold the prompt's KV."""
+
+    transfer_id: TransferId
+    engine_id: Name
+    num_blocks: Annotated[int, msgspec.Meta(ge=0)]
+
+
+Message = Hello | HelloReply | Registration | Cancel | Failure | Done
+MESSAGE_TYPES: tuple[type, ...] = (
+    Hello,
+    HelloReply,
+    Registration,
+    Cancel,
+    Failure,
+    Done,
+)
+_TAGS = frozenset(
+    str(t.__struct_config__.tag)  # type: ignore[attr-defined]
+    for t in MESSAGE_TYPES
+)
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    version: int
+    body: msgspec.Raw
+
+
+class _TagOnly(msgspec.Struct):
+    type: str
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
+_TAG_DECODER = msgspec.msgpack.Decoder(_TagOnly)
+_BODY_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise ``msg`` for either channel. Validates it as the receiver
+    would, so a bad message fails here, on the sender, with the reason."""
+    if not isinstance(msg, MESSAGE_TYPES):
+        raise ProtocolError(f"not a kvpush message: {type(msg).__name__}")
+    data = _ENCODER.encode((PROTOCOL_VERSION, msg))
+    decode(data)
+    return data
+
+
+def decode(data: bytes) -> Message:
+    """Parse one message received from a peer, or raise :class:`ProtocolError`."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"
+        )
+    envelope = _decode_part(_ENVELOPE_DECODER, data, "envelope")
+    if envelope.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {envelope.version} is not supported "
+            f"(this side speaks {PROTOCOL_VERSION})"
+        )
+    body = bytes(envelope.body)
+    tag = _decode_part(_TAG_DECODER, body, "message header").type
+    if tag not in _TAGS:
+        raise ProtocolError(f"unknown message type {tag[:64]!r}")
+    return _decode_part(_BODY_DECODER, body, f"{tag} message")  # type: ignore[no-any-return]
+
+
+def _decode_part(decoder: msgspec.msgpack.Decoder[Any], data: bytes, what: str) -> Any:
+    try:
+        return decoder.decode(data)
+    except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:
+        raise ProtocolError(f"malformed {what}: {exc}") from None
+
+
+class TransferParams(msgspec.Struct, frozen=True, tag_field="role"):
+    """The ``kv_transfer_params`` of one leg of a kvpush request, typed.
+
+    Built by the router (``to_dict`` goes into the request body) and parsed
+    by the connector's scheduler side with :meth:`from_dict`. The concrete
+    type says the leg: :class:`PrefillLeg` or :class:`DecodeLeg`. Both carry
+    the router-assigned ``transfer_id``, unique per request, which is the only
+    key registrations and finished KV are paired by."""
+
+    transfer_id: TransferId
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PrefillLeg | DecodeLeg:
+        """Validate and convert; ``ValueError`` says what is wrong. Keys this
+        type does not know are ignored (vLLM may add its own)."""
+        if not isinstance(d, Mapping):
+            raise ValueError(
+                f"kv_transfer_params must be a JSON object, not {type(d).__name__}"
+            )
+        try:
+            return msgspec.convert(dict(d), PrefillLeg | DecodeLeg)
+        except msgspec.ValidationError as exc:
+            raise ValueError(
+                f"invalid kvpush kv_transfer_params: {exc}. Expected role "
+                "'prefill' with transfer_id and decode_engine_id, or role "
+                "'decode' with transfer_id, prefill_engine_id, prefill_host "
+                "and prefill_port"
+            ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready dict, ``role`` included, that :meth:`from_dict` reads."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class PrefillLeg(TransferParams, frozen=True, tag="prefill"):
+    """Prefill's leg: compute the prompt, then push it to ``decode_engine_id``
+    (a Registration from another engine for this transfer is rejected)."""
+
+    decode_engine_id: Name
+
+
+class DecodeLeg(TransferParams, frozen=True, tag="decode"):
+    """Decode's leg: allocate blocks and register them with the prefill
+    engine ``prefill_engine_id`` whose side channel listens on
+    ``prefill_host:prefill_port``."""
+
+    prefill_engine_id: Name
+    prefill_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    prefill_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]

@@ -1,0 +1,313 @@
+"""The matcher pairs a registration with ready KV in either order, keeps
+deadlines on both, refuses duplicates and mismatches without surprises, and
+hands every entry back exactly once: matched, dropped, or rejected."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpush.transfer.matcher import (
+    Dropped,
+    Matched,
+    Matcher,
+    MatcherConfig,
+    Pending,
+    ReadyKv,
+    Rejected,
+)
+from kvpush.transfer.messages import Registration
+
+BS = 16
+CONFIG = MatcherConfig(
+    block_size=BS,
+    ready_ttl_s=30.0,
+    post_margin_s=1.0,
+    tombstone_ttl_s=100.0,
+    max_pending=8,
+)
+
+
+def reg(
+    tid: str = "t1",
+    dst: tuple[int, ...] = (10, 11, 12),
+    num_tokens: int = 40,  # 3 blocks of 16
+    first_block: int = 0,
+    ttl_s: float = 10.0,
+    engine: str = "d0",
+) -> Registration:
+    return Registration(
+        tid, engine, f"{engine}-agent", dst, num_tokens, ttl_s, first_block
+    )
+
+
+def ready(
+    tid: str = "t1",
+    src: tuple[int, ...] = (1, 2, 3),
+    num_tokens: int = 40,
+    engine: str = "d0",
+) -> ReadyKv:
+    return ReadyKv(tid, src, num_tokens, engine)
+
+
+@pytest.fixture
+def m() -> Matcher:
+    return Matcher(CONFIG)
+
+
+@pytest.mark.parametrize("registration_first", [True, False])
+def test_either_order_pairs_the_blocks(m: Matcher, registration_first: bool) -> None:
+    r, k = reg(), ready()
+    first, second = (
+        (lambda: m.add_registration(r, 100.0), lambda: m.add_ready(k, 105.0))
+        if registration_first
+        else (lambda: m.add_ready(k, 100.0), lambda: m.add_registration(r, 105.0))
+    )
+    assert isinstance(first(), Pending)
+    assert m.is_pending("t1") and len(m) == 1
+    result = second()
+    assert isinstance(result, Matched)
+    assert result.src_block_ids == (1, 2, 3)
+    assert result.dst_block_ids == (10, 11, 12)
+    assert (result.registration, result.ready) == (r, k)
+    # Never post after decode's reservation ends: its arrival + ttl - margin.
+    arrival = 100.0 if registration_first else 105.0
+    assert result.post_deadline == arrival + 10.0 - 1.0
+    assert len(m) == 0 and m.was_matched("t1") and m.next_deadline() is None
+
+
+def test_prefix_hit_pairs_only_the_blocks_decode_lacks(m: Matcher) -> None:
+    # 70 tokens are 5 blocks; decode holds blocks 0 and 1 in its prefix cache.
+    m.add_ready(ready(src=(50, 51, 52, 53, 54), num_tokens=70), 0.0)
+    result = m.add_registration(reg(dst=(7, 8, 9), num_tokens=70, first_block=2), 1.0)
+    assert isinstance(result, Matched)
+    assert result.src_block_ids == (52, 53, 54)
+    assert result.dst_block_ids == (7, 8, 9)
+
+
+def test_extra_trailing_source_blocks_are_ignored(m: Matcher) -> None:
+    m.add_registration(reg(), 0.0)
+    result = m.add_ready(ready(src=(1, 2, 3, 4)), 1.0)
+    assert isinstance(result, Matched) and result.src_block_ids == (1, 2, 3)
+
+
+@pytest.mark.parametrize("side", ["registration", "ready"])
+def test_a_pending_duplicate_changes_nothing(m: Matcher, side: str) -> None:
+    if side == "registration":
+        m.add_registration(reg(dst=(10, 11, 12)), 0.0)
+        dup = m.add_registration(reg(dst=(20, 21, 22)), 1.0)
+    else:
+        m.add_ready(ready(src=(1, 2, 3)), 0.0)
+        dup = m.add_ready(ready(src=(4, 5, 6)), 1.0)
+    assert isinstance(dup, Rejected) and dup.code == "duplicate"
+    assert not dup.tells_peer and dup.dropped == ()
+    result = (
+        m.add_ready(ready(), 2.0)
+        if side == "registration"
+        else m.add_registration(reg(), 2.0)
+    )
+    assert isinstance(result, Matched)
+    assert (result.src_block_ids, result.dst_block_ids) == ((1, 2, 3), (10, 11, 12))
+
+
+def test_a_duplicate_after_the_match_is_not_a_failure(m: Matcher) -> None:
+    m.add_registration(reg(), 0.0)
+    m.add_ready(ready(), 1.0)
+    for late in (m.add_registration(reg(), 2.0), m.add_ready(ready(), 2.0)):
+        assert isinstance(late, Rejected) and late.code == "duplicate"
+        assert not late.tells_peer
+    assert len(m) == 0
+
+
+def test_registration_expires_and_decode_is_named(m: Matcher) -> None:
+    m.add_registration(reg(ttl_s=10.0), 100.0)
+    assert m.next_deadline() == 109.0
+    assert m.expire(108.999) == []
+    (dropped,) = m.expire(109.0)
+    assert dropped.side == "registration" and "expired" in dropped.reason
+    assert dropped.notify_engine_id == "d0" and dropped.free_src_block_ids == ()
+    late = m.add_ready(ready(), 110.0)
+    assert isinstance(late, Rejected) and late.code == "closed" and late.tells_peer
+    assert len(m) == 0
+
+
+def test_ready_kv_expires_and_its_blocks_come_back(m: Matcher) -> None:
+    m.add_ready(ready(src=(4, 5, 6)), 0.0)
+    assert m.expire(29.9) == []
+    (dropped,) = m.expire(30.0)
+    assert dropped.side == "ready" and dropped.free_src_block_ids == (4, 5, 6)
+    assert dropped.notify_engine_id == "d0"
+    late = m.add_registration(reg(), 31.0)
+    assert isinstance(late, Rejected) and late.code == "closed" and late.tells_peer
+
+
+def test_an_overdue_entry_never_matches_even_before_expire(m: Matcher) -> None:
+    m.add_registration(reg(ttl_s=10.0), 0.0)
+    result = m.add_ready(ready(), 9.5)  # past 0 + 10 - margin 1
+    assert isinstance(result, Rejected) and result.code == "closed"
+    (dropped,) = result.dropped
+    assert dropped.registration == reg(ttl_s=10.0)
+    assert len(m) == 0
+
+
+def test_expire_returns_earliest_first(m: Matcher) -> None:
+    m.add_ready(ready("a"), 5.0)  # due 35
+    m.add_registration(reg("b", ttl_s=20.0), 0.0)  # due 19
+    m.add_ready(ready("c"), 1.0)  # due 31
+    assert [d.transfer_id for d in m.expire(100.0)] == ["b", "c", "a"]
+
+
+def test_cancel_drops_what_is_pending_and_refuses_what_comes_later(m: Matcher) -> None:
+    m.add_ready(ready(src=(7, 8, 9)), 0.0)
+    (dropped,) = m.cancel("t1", "client went away", 1.0)
+    assert dropped.free_src_block_ids == (7, 8, 9)
+    assert "client went away" in dropped.reason
+    late = m.add_registration(reg(), 2.0)
+    assert isinstance(late, Rejected) and late.code == "closed"
+    assert m.cancel("never-seen", "abort", 3.0) == ()
+    assert isinstance(m.add_ready(ready("never-seen"), 4.0), Rejected)
+
+
+def test_cancel_after_the_match_leaves_it_to_the_writer(m: Matcher) -> None:
+    m.add_registration(reg(), 0.0)
+    m.add_ready(ready(), 1.0)
+    assert m.cancel("t1", "abort", 2.0) == ()
+    assert m.was_matched("t1")
+
+
+@pytest.mark.parametrize(
+    ("registration", "kv", "needle"),
+    [
+        (reg(num_tokens=41), ready(num_tokens=40), "tokens"),  # 41 still 3 blocks
+        (reg(engine="d9"), ready(), "'d9'"),
+    ],
+)
+@pytest.mark.parametrize("registration_first", [True, False])
+def test_a_mismatch_closes_the_transfer(
+    m: Matcher,
+    registration: Registration,
+    kv: ReadyKv,
+    needle: str,
+    registration_first: bool,
+) -> None:
+    if registration_first:
+        m.add_registration(registration, 0.0)
+        result = m.add_ready(kv, 1.0)
+    else:
+        m.add_ready(kv, 0.0)
+        result = m.add_registration(registration, 1.0)
+    assert isinstance(result, Rejected) and result.code == "mismatch"
+    assert needle in result.reason and result.tells_peer
+    (dropped,) = result.dropped  # the pending half is handed back
+    assert dropped.side == ("registration" if registration_first else "ready")
+    assert len(m) == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        reg(dst=(1, 2, 3, 4)),  # 4 blocks for a 3-block prompt
+        reg(dst=(1, 2)),  # too few
+        reg(dst=(1, 2, 3), first_block=1),  # prefix skip overruns the prompt
+        reg(ttl_s=0.5),  # shorter than the post margin
+    ],
+)
+def test_an_inconsistent_registration_is_invalid(m: Matcher, bad: Registration) -> None:
+    m.add_ready(ready(src=(4, 5, 6)), 0.0)
+    result = m.add_registration(bad, 1.0)
+    assert isinstance(result, Rejected) and result.code == "invalid"
+    assert [d.free_src_block_ids for d in result.dropped] == [(4, 5, 6)]
+    assert len(m) == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [ready(src=(1, 2)), ready(src=(1, 1, 2)), ready(num_tokens=0)]
+)
+def test_inconsistent_ready_kv_is_invalid(m: Matcher, bad: ReadyKv) -> None:
+    result = m.add_ready(bad, 0.0)
+    assert isinstance(result, Rejected) and result.code == "invalid"
+    assert len(m) == 0
+
+
+def test_pending_entries_are_capped(m: Matcher) -> None:
+    for i in range(CONFIG.max_pending):
+        assert isinstance(m.add_ready(ready(f"t{i}"), 0.0), Pending)
+    full = m.add_registration(reg("one-more"), 0.0)
+    assert isinstance(full, Rejected) and full.code == "capacity"
+    assert isinstance(m.add_registration(reg("t0"), 0.0), Matched)  # pairs still do
+
+
+def test_tombstones_are_forgotten_after_their_ttl(m: Matcher) -> None:
+    m.add_registration(reg(), 0.0)
+    m.add_ready(ready(), 1.0)
+    m.expire(100.9)
+    assert m.was_matched("t1")
+    m.expire(101.0)
+    assert not m.was_matched("t1")
+    assert isinstance(m.add_registration(reg(), 102.0), Pending)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_size": 0},
+        {"block_size": 16, "ready_ttl_s": 0},
+        {"block_size": 16, "post_margin_s": -1},
+        {"block_size": 16, "max_pending": 0},
+    ],
+)
+def test_config_is_validated(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        MatcherConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# -- nothing leaks ----------------------------------------------------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["reg", "ready", "cancel", "expire", "bad_reg"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.floats(0, 5),
+    ),
+    max_size=40,
+)
+
+
+@given(OPS)
+def test_every_entry_comes_back_exactly_once(ops: list[tuple[str, str, float]]) -> None:
+    """Whatever the interleaving, each accepted half leaves the matcher once,
+    as part of a Matched or a Dropped; rejected halves never entered."""
+    m = Matcher(CONFIG)
+    now, accepted, returned = 0.0, [], []
+    for op, tid, step in ops:
+        now += step
+        if op == "cancel":
+            returned += _halves(m.cancel(tid, "test", now))
+        elif op == "expire":
+            returned += _halves(m.expire(now))
+        else:
+            item = {
+                "reg": reg(tid),
+                "bad_reg": reg(tid, dst=(1,)),
+                "ready": ready(tid),
+            }[op]
+            result = (
+                m.add_ready(item, now)
+                if isinstance(item, ReadyKv)
+                else m.add_registration(item, now)
+            )
+            if isinstance(result, Pending):
+                accepted.append(item)
+            elif isinstance(result, Matched):
+                accepted.append(item)
+                returned += [result.registration, result.ready]
+            else:
+                returned += _halves(result.dropped)
+    returned += _halves(m.expire(now + 1e6))
+    assert len(m) == 0 and m.next_deadline() is None
+    assert sorted(map(repr, returned)) == sorted(map(repr, accepted))
+
+
+def _halves(dropped: tuple[Dropped, ...] | list[Dropped]) -> list[object]:
+    return [d.registration or d.ready for d in dropped]
