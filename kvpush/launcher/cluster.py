@@ -50,11 +50,6 @@ def run_dir_of(config: ClusterConfig) -> Path:
 def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     """Start the cluster described by ``config`` and wait until it serves."""
     console = console or Console(stderr=True)
-    if config.mode == "kvpush":
-        raise ValueError(
-            "mode 'kvpush' is not available yet: kvpush's own connector is "
-            "still being built; use colocated, vllm-pull or vllm-push"
-        )
     run_dir = run_dir_of(config)
     _refuse_if_running(run_dir)
     model = _resolve_model(config, console)

@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpush.launcher.config import ClusterConfig
 from kvpush.topology import Backend, Role
@@ -19,6 +20,7 @@ from kvpush.topology import Backend, Role
 _CONNECTORS: dict[str, tuple[str, str]] = {
     "vllm-pull": ("FairNixlConnector", "kvpush.baselines.fair_nixl"),
     "vllm-push": ("FairNixlPushConnector", "kvpush.baselines.fair_nixl"),
+    "kvpush": ("KvPushConnector", "kvpush.connector.connector"),
 }
 _KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -77,20 +79,29 @@ def plan_instances(config: ClusterConfig, run_dir: Path) -> list[InstanceSpec]:
     ]
 
 
-def kv_transfer_config(mode: str, spec: InstanceSpec) -> dict[str, str] | None:
-    """The ``--kv-transfer-config`` of an instance, None when colocated."""
+def kv_transfer_config(mode: str, spec: InstanceSpec) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of an instance, None when colocated.
+    kvpush's connector also gets its side channel and a trace directory
+    (``RUN_DIR/traces``) for per-transfer timelines."""
     if spec.role == "colocated":
         return None
     if mode not in _CONNECTORS:
         raise ValueError(f"mode {mode!r} has no connector available yet")
     connector, module = _CONNECTORS[mode]
-    return {
+    config: dict[str, Any] = {
         "kv_connector": connector,
         "kv_connector_module_path": module,
         "kv_role": _KV_ROLES[spec.role],
         "kv_buffer_device": "cpu",
         "engine_id": spec.name,
     }
+    if mode == "kvpush":
+        config["kv_connector_extra_config"] = {
+            "side_channel_host": spec.host,
+            "side_channel_port": spec.side_channel_port,
+            "trace_dir": str(spec.log_path.parent / "traces"),
+        }
+    return config
 
 
 def instance_command(

@@ -1,0 +1,86 @@
+"""The only module that touches NIXL: one agent per worker, its KV memory
+registered once, remote agents loaded once per peer, WRITEs posted and
+polled, notifications read. Accelerator-agnostic: memory is registered as
+host (DRAM) or device (VRAM) memory according to where vLLM put the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpush.transfer.coalesce import Desc
+from kvpush.transfer.layout import KvLayout
+
+logger = logging.getLogger(__name__)
+
+
+def memory_type(device_type: str) -> str:
+    """NIXL's memory kind for a tensor on ``device_type``."""
+    return "DRAM" if device_type == "cpu" else "VRAM"
+
+
+class NixlIO:
+    """A NIXL agent with this worker's KV cache registered.
+
+    Built by the worker in ``register_kv_caches``; afterwards used by exactly
+    one thread per role (prefill: the writer thread; decode: the worker's main
+    thread). Progress is driven by those threads' polling; NIXL's own
+    progress thread is off, so an idle agent costs nothing.
+    """
+
+    def __init__(self, name: str, layout: KvLayout, mem_type: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.layout = layout
+        self.mem_type = mem_type
+        self._agent = nixl_agent(
+            name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
+        span = layout.num_blocks * layout.block_bytes
+        regions = [(addr, span, layout.device_id, "") for addr in layout.base_addrs]
+        self._reg = self._agent.get_reg_descs(regions, mem_type)
+        self._agent.register_memory(self._reg)
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._remotes: set[str] = set()
+
+    def load_peer(self, metadata: bytes) -> str:
+        """Load (or reload, after a peer restart) a remote agent's metadata."""
+        name: str = self._agent.add_remote_agent(metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        self._remotes.add(name)
+        return name
+
+    def write(self, src: list[Desc], dst: list[Desc], peer: str, notif: bytes) -> Any:
+        """Post one WRITE of ``src`` into ``peer``'s ``dst`` (parallel lists);
+        the peer receives ``notif`` when all of it has landed."""
+        src_descs = self._agent.get_xfer_descs([tuple(d) for d in src], self.mem_type)
+        dst_descs = self._agent.get_xfer_descs([tuple(d) for d in dst], self.mem_type)
+        handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notif)
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL refused the WRITE to {peer}")
+        return handle
+
+    def poll(self, handle: Any) -> str:
+        """``"DONE"``, ``"PROC"`` or ``"ERR"``; releases the handle when over."""
+        state: str = self._agent.check_xfer_state(handle)
+        if state != "PROC":
+            self._agent.release_xfer_handle(handle)
+        return state
+
+    def notifications(self) -> list[bytes]:
+        """Notification payloads received since the last call."""
+        notifs = self._agent.get_new_notifs()
+        return [msg for msgs in notifs.values() for msg in msgs]
+
+    def close(self) -> None:
+        try:
+            for name in self._remotes:
+                self._agent.remove_remote_agent(name)
+            self._agent.deregister_memory(self._reg)
+        except Exception as e:  # shutting down: log, never raise
+            logger.warning("kvpush: NIXL clean-up failed: %s", e)
