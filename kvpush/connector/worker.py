@@ -39,6 +39,8 @@ from kvpush.transfer.messages import (
 
 logger = logging.getLogger(__name__)
 
+IDLE_STEP_WAIT_S = 0.002
+
 
 def layout_of(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvLayout:
     """The memory map of vLLM's KV cache: one region per layer, block ``b``
@@ -131,9 +133,9 @@ class KvPushWorker:
             self._expect(expect, now)
 
     def _expect(self, expect: RecvExpect, now: float) -> None:
-        if not self._peers.is_known(expect.prefill_host, expect.prefill_port):
-            if self._hello is not None:
-                self._peers.send(expect.prefill_host, expect.prefill_port, self._hello)
+        is_new_peer = not self._peers.is_known(expect.prefill_host, expect.prefill_port)
+        if is_new_peer and self._hello is not None:
+            self._peers.send(expect.prefill_host, expect.prefill_port, self._hello)
         deadline = now + self.config.registration_ttl_s + 5.0
         self._expected[expect.transfer_id] = _Expected(expect, deadline)
 
@@ -152,7 +154,7 @@ class KvPushWorker:
             self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[arg-type]
         for tid in self._meta.cancels:
             self._writer.cancel(tid)
-        self._meta = KvPushMetadata()
+        self._meta = KvPushMetadata(is_idle_step=self._meta.is_idle_step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(prefill requests whose blocks may be freed, decode requests whose
@@ -164,7 +166,13 @@ class KvPushWorker:
             self._pushed -= sending
             self._finished_reqs -= sending
             return sending, set()
-        return set(), self._received()
+        received = self._received()
+        if not received and self._expected and self._meta.is_idle_step:
+            # vLLM steps back to back while requests wait for KV; on an idle
+            # step, wait a little for the notification instead of spinning.
+            time.sleep(IDLE_STEP_WAIT_S)
+            received = self._received()
+        return set(), received
 
     def _received(self) -> set[str]:
         if self._io is None:

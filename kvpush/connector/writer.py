@@ -240,8 +240,9 @@ class Writer:
             return
         req_id = self._req_of.get(m.transfer_id, "")
         self._inflight[m.transfer_id] = _InFlight(handle, req_id, engine)
-        self._tracer.mark(m.transfer_id, "write_posted", num_descs=len(src),
-                          num_runs=len(block_runs), num_blocks=len(m.dst_block_ids))  # fmt: skip
+        sizes = {"num_descs": len(src), "num_runs": len(block_runs)}
+        self._tracer.mark(m.transfer_id, "write_posted", **sizes,
+                          num_blocks=len(m.dst_block_ids))  # fmt: skip
 
     def _poll_inflight(self) -> None:
         for tid, flight in list(self._inflight.items()):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,10 @@ class Cluster:
         self.run_dir = run_dir
         self.url = state.router_url
 
+    def instance_url(self, name: str) -> str:
+        """The HTTP URL of instance ``name`` (e.g. ``prefill0``)."""
+        return next(p.url for p in self.state.processes if p.name == name)
+
     def stop(self) -> None:
         """``kvpush down`` and check that no process it started is left."""
         pids = [p.pid for p in self.state.processes]
@@ -40,11 +45,13 @@ class Cluster:
         assert not left, f"processes left after down: {left}"
 
 
-def start_cluster(mode: str, model: Path, run_dir: Path) -> Cluster:
-    """Start ``mode`` on a block of ports no other test cluster uses."""
+def start_cluster(mode: str, model: Path, run_dir: Path, **options: Any) -> Cluster:
+    """Start ``mode`` on a block of ports no other test cluster uses;
+    ``options`` are further ClusterConfig fields."""
     block = next(_port_blocks)
     pd = mode != "colocated"
     config = ClusterConfig(
+        **options,
         mode=mode,
         num_prefill=1 if pd else 0,
         num_decode=1 if pd else 0,
@@ -80,10 +87,16 @@ def pd_cluster(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     """The P/D cluster named by the test class's ``mode``."""
-    mode = request.cls.mode
-    cluster = start_cluster(mode, model_dir, tmp_path_factory.mktemp(mode))
+    mode, options = request.cls.mode, request.cls.cluster_options
+    cluster = start_cluster(mode, model_dir, tmp_path_factory.mktemp(mode), **options)
     try:
         yield cluster
     finally:
         if proc.is_alive(cluster.state.processes[0].pid):
             cluster.stop()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``first_leg``: each arrival order the test class's mode allows."""
+    if "first_leg" in metafunc.fixturenames and metafunc.cls is not None:
+        metafunc.parametrize("first_leg", metafunc.cls.arrival_orders)

@@ -1,8 +1,11 @@
-"""Through vLLM's pull and push connectors (behind kvpush's router), greedy
-outputs equal a colocated instance's, for every API shape, streamed or not,
-one at a time and sixteen at once; ``down`` leaves no process behind."""
+"""Through vLLM's pull and push connectors and kvpush's own connector
+(behind kvpush's router), greedy outputs equal a colocated instance's, for
+every API shape, streamed or not, one at a time and 32 at once; ``down``
+leaves no process behind."""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import pytest
 
@@ -16,6 +19,8 @@ class PDChecks:
     """Checks every P/D mode must pass; subclasses name the mode."""
 
     mode = ""
+    cluster_options: ClassVar[dict[str, Any]] = {}
+    arrival_orders: tuple[str, ...] = ("prefill", "decode")  # first leg to arrive
 
     @pytest.mark.parametrize("name", sorted(workload.SHAPES))
     def test_matches_colocated(
@@ -34,12 +39,31 @@ class PDChecks:
             assert reply.usage is not None, name
             assert reply.usage == reference[name].usage, name
 
-    def test_sixteen_concurrent_mixed_lengths(
+    def test_thirty_two_concurrent_mixed_lengths(
         self, pd_cluster: Cluster, reference: workload.Outputs
     ) -> None:
         replies = workload.run_concurrent(pd_cluster.url)
         problems = {n: workload.mismatch(reference[n], r) for n, r in replies.items()}
         assert {n: p for n, p in problems.items() if p} == {}
+
+    def test_either_arrival_order(
+        self, pd_cluster: Cluster, reference: workload.Outputs, first_leg: str
+    ) -> None:
+        # Legs sent straight to the instances, one clearly before the other.
+        name = "completion-long"
+        path, body = workload.SHAPES[name]
+        reply = workload.send_legs_in_order(
+            pd_cluster, self.mode, path, body, first_leg
+        )
+        assert workload.mismatch(reference[name], reply) is None, workload.mismatch(
+            reference[name], reply
+        )
+
+    def test_no_blocks_held_after_the_run(self, pd_cluster: Cluster) -> None:
+        # Runs after every request of the class has finished.
+        for name in ("prefill0", "decode0"):
+            usage = workload.kv_cache_usage(pd_cluster.instance_url(name))
+            assert usage == 0.0, f"{name} still holds KV blocks ({usage:.2%})"
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         # Runs last in the class (pytest keeps definition order).
@@ -48,7 +72,16 @@ class PDChecks:
 
 class TestVllmPull(PDChecks):
     mode = "vllm-pull"
+    arrival_orders = ("prefill",)  # decode needs prefill's answer to start
 
 
 class TestVllmPush(PDChecks):
     mode = "vllm-push"
+
+
+class TestKvPush(PDChecks):
+    """kvpush's connector, with chunked prefill (256-token chunks, so the
+    long prompts take several)."""
+
+    mode = "kvpush"
+    cluster_options: ClassVar[dict[str, Any]] = {"max_num_batched_tokens": 256}

