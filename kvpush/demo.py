@@ -1,4 +1,5 @@
-"""``make demo``: the same prompts through colocated, vLLM pull and vLLM push.
+"""``make demo``: the same prompts through colocated, vLLM pull, vLLM push
+and kvpush.
 
 Starts each cluster in turn (1 prefill + 1 decode for the P/D modes), sends
 a warm-up request (the first one pays NIXL's handshake), then a few
@@ -17,7 +18,7 @@ from rich.table import Table
 from kvpush import client, env
 from kvpush.launcher import ClusterConfig, down, up
 
-MODES = ("colocated", "vllm-pull", "vllm-push")
+MODES = ("colocated", "vllm-pull", "vllm-push", "kvpush")
 PROMPTS = (
     "The quick brown fox",
     "Write a short story about a robot who learns to paint.",
@@ -85,7 +86,7 @@ def main() -> int:
             " ".join(f"{t:.0f}" for t in ttfts),
             "yes" if same else "NO",
         )
-    for prompt, reply in zip(PROMPTS, results["vllm-push"], strict=True):
+    for prompt, reply in zip(PROMPTS, results["kvpush"], strict=True):
         console.print(f"[dim]{prompt[:60]!r}[/dim] -> {reply.text!r}")
     console.print(table)
     return 0 if all([r.text for r in v] == reference for v in results.values()) else 1
