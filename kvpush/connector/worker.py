@@ -39,7 +39,8 @@ from kvpush.transfer.messages import (
 
 logger = logging.getLogger(__name__)
 
-IDLE_STEP_WAIT_S = 0.002
+IDLE_STEP_WAIT_S = 0.0  # longest wait on one idle step
+IDLE_POLL_S = 0.0002  # notification poll period while waiting
 
 
 def layout_of(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvLayout:
@@ -167,11 +168,14 @@ class KvPushWorker:
             self._finished_reqs -= sending
             return sending, set()
         received = self._received()
-        if not received and self._expected and self._meta.is_idle_step:
-            # vLLM steps back to back while requests wait for KV; on an idle
-            # step, wait a little for the notification instead of spinning.
-            time.sleep(IDLE_STEP_WAIT_S)
-            received = self._received()
+        if self._expected and self._meta.is_idle_step:
+            # vLLM steps back to back while requests wait for KV, spinning the
+            # engine and this worker; on a step with nothing else to do, wait
+            # here (polling, with short sleeps) for up to IDLE_STEP_WAIT_S.
+            deadline = time.monotonic() + IDLE_STEP_WAIT_S
+            while not received and time.monotonic() < deadline:
+                time.sleep(IDLE_POLL_S)
+                received = self._received()
         return set(), received
 
     def _received(self) -> set[str]:

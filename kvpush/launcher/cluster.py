@@ -85,7 +85,8 @@ def _start_all(
     records: list[ProcessRecord] = []
     for spec in specs:
         cmd = instance_command(config, spec, model)
-        pid = process.spawn(cmd, instance_env(config, spec), spec.log_path)
+        cpus = frozenset({spec.core})  # the whole instance, not just its OMP threads
+        pid = process.spawn(cmd, instance_env(config, spec), spec.log_path, cpus)
         records.append(
             ProcessRecord(
                 name=spec.name,

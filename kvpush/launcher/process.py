@@ -17,10 +17,21 @@ from pathlib import Path
 _POLL_S = 0.1
 
 
-def spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
+def spawn(
+    cmd: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    cpus: frozenset[int] = frozenset(),
+) -> int:
     """Start ``cmd`` detached in a new session, stdout and stderr appended
-    to ``log_path``; returns its PID (also its process-group id)."""
+    to ``log_path``, restricted to ``cpus`` (every process it forks inherits
+    that) unless empty; returns its PID (also its process-group id)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd,
@@ -30,6 +41,7 @@ def spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            preexec_fn=pin,
         )
     return proc.pid
 
