@@ -45,4 +45,3 @@ class KvPushMetadata(KVConnectorMetadata):
     triggers: list[PushTrigger] = field(default_factory=list)
     expects: list[RecvExpect] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # transfer ids given up
-    is_idle_step: bool = False  # nothing scheduled: the engine only polls

@@ -148,7 +148,6 @@ class KvPushScheduler:
         self._find_last_chunks(scheduler_output.num_scheduled_tokens)
         self._mark_first_decode_steps(scheduler_output.num_scheduled_tokens)
         meta, self._meta = self._meta, KvPushMetadata()
-        meta.is_idle_step = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def _track_blocks(self, out: Any) -> None:

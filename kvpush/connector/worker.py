@@ -39,8 +39,6 @@ from kvpush.transfer.messages import (
 
 logger = logging.getLogger(__name__)
 
-IDLE_STEP_WAIT_S = 0.0  # longest wait on one idle step
-IDLE_POLL_S = 0.0002  # notification poll period while waiting
 
 
 def layout_of(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvLayout:
@@ -155,7 +153,7 @@ class KvPushWorker:
             self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[arg-type]
         for tid in self._meta.cancels:
             self._writer.cancel(tid)
-        self._meta = KvPushMetadata(is_idle_step=self._meta.is_idle_step)
+        self._meta = KvPushMetadata()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(prefill requests whose blocks may be freed, decode requests whose
@@ -167,16 +165,7 @@ class KvPushWorker:
             self._pushed -= sending
             self._finished_reqs -= sending
             return sending, set()
-        received = self._received()
-        if self._expected and self._meta.is_idle_step:
-            # vLLM steps back to back while requests wait for KV, spinning the
-            # engine and this worker; on a step with nothing else to do, wait
-            # here (polling, with short sleeps) for up to IDLE_STEP_WAIT_S.
-            deadline = time.monotonic() + IDLE_STEP_WAIT_S
-            while not received and time.monotonic() < deadline:
-                time.sleep(IDLE_POLL_S)
-                received = self._received()
-        return set(), received
+        return set(), self._received()
 
     def _received(self) -> set[str]:
         if self._io is None:
