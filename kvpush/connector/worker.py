@@ -40,7 +40,6 @@ from kvpush.transfer.messages import (
 logger = logging.getLogger(__name__)
 
 
-
 def layout_of(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvLayout:
     """The memory map of vLLM's KV cache: one region per layer, block ``b``
     of a layer at ``data_ptr + b * stride(0) * element_size``."""

@@ -44,6 +44,7 @@ from kvpush.transfer.messages import (
     Registration,
     encode,
 )
+from kvpush.transfer.work import WorkItem, split_whole
 
 logger = logging.getLogger(__name__)
 
@@ -228,21 +229,28 @@ class Writer:
         if fence is not None and not fence.wait(FENCE_TIMEOUT_S):
             self._end(m.transfer_id, engine, "write_failed", "KV never became ready")
             return
-        block_runs = runs(m.src_block_ids, m.dst_block_ids)
-        layers = range(self._io.layout.num_layers)
-        src, dst = descriptors(block_runs, self._io.layout, peer.layout, layers)
-        done = Done(transfer_id=m.transfer_id, engine_id=self._engine_id,
-                    num_blocks=len(m.dst_block_ids))  # fmt: skip
+        (item,) = split_whole(m.transfer_id, m.src_block_ids, m.dst_block_ids,
+                              self._io.layout.num_layers)  # fmt: skip
+        self._post_item(item, peer, engine)
+
+    def _post_item(self, item: WorkItem, peer: _Peer, engine: str) -> None:
+        """One WRITE for one work item (a block range x a layer range);
+        the transfer's last item carries the Done notification."""
+        block_runs = runs(item.src_block_ids, item.dst_block_ids)
+        src, dst = descriptors(block_runs, self._io.layout, peer.layout, item.layers)
+        done = Done(transfer_id=item.transfer_id, engine_id=self._engine_id,
+                    num_blocks=item.num_blocks)  # fmt: skip
+        notif = encode(done) if item.notify else b""
         try:
-            handle = self._io.write(src, dst, peer.agent_name, encode(done))
+            handle = self._io.write(src, dst, peer.agent_name, notif)
         except Exception as e:
-            self._end(m.transfer_id, engine, "write_failed", str(e))
+            self._end(item.transfer_id, engine, "write_failed", str(e))
             return
-        req_id = self._req_of.get(m.transfer_id, "")
-        self._inflight[m.transfer_id] = _InFlight(handle, req_id, engine)
+        req_id = self._req_of.get(item.transfer_id, "")
+        self._inflight[item.transfer_id] = _InFlight(handle, req_id, engine)
         sizes = {"num_descs": len(src), "num_runs": len(block_runs)}
-        self._tracer.mark(m.transfer_id, "write_posted", **sizes,
-                          num_blocks=len(m.dst_block_ids))  # fmt: skip
+        self._tracer.mark(item.transfer_id, "write_posted", **sizes,
+                          num_blocks=item.num_blocks)  # fmt: skip
 
     def _poll_inflight(self) -> None:
         for tid, flight in list(self._inflight.items()):
