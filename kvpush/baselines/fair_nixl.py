@@ -75,23 +75,21 @@ def fair_worker_construction() -> Iterator[None]:
         os.sched_setaffinity(0, affinity)
 
 
-class FairNixlConnector(NixlConnector):
+class _FairConstruction:
+    """Mixin: build the worker-side connector inside
+    :func:`fair_worker_construction`; the scheduler side is untouched."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        if role != KVConnectorRole.WORKER:
+            super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+            return
+        with fair_worker_construction():
+            super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+
+
+class FairNixlConnector(_FairConstruction, NixlConnector):
     """vLLM's pull-mode ``NixlConnector`` with the two CPU fixes."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
-        if role != KVConnectorRole.WORKER:
-            super().__init__(vllm_config, role, kv_cache_config)
-            return
-        with fair_worker_construction():
-            super().__init__(vllm_config, role, kv_cache_config)
 
-
-class FairNixlPushConnector(NixlPushConnector):
+class FairNixlPushConnector(_FairConstruction, NixlPushConnector):
     """vLLM's ``NixlPushConnector`` with the two CPU fixes."""
-
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
-        if role != KVConnectorRole.WORKER:
-            super().__init__(vllm_config, role, kv_cache_config)
-            return
-        with fair_worker_construction():
-            super().__init__(vllm_config, role, kv_cache_config)
