@@ -39,6 +39,8 @@ from kvpush.transfer.messages import (
 
 logger = logging.getLogger(__name__)
 
+EARLY_DONE_TTL_S = 10.0  # how long a Done waits for the receive it completes
+
 
 def layout_of(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvLayout:
     """The memory map of vLLM's KV cache: one region per layer, block ``b``
@@ -87,8 +89,9 @@ class KvPushWorker:
         self._peers = Peers()  # decode: sockets to prefills (main thread)
         self._hello: Hello | None = None
         self._expected: dict[str, _Expected] = {}  # transfer id -> receive
-        self._early_done: set[str] = set()  # Done before its RecvExpect
-        self._finished_reqs: set[str] = set()  # prefill: finished in vLLM
+        self._early_done: dict[str, float] = {}  # Done before its RecvExpect: expiry
+        self._triggered: set[str] = set()  # prefill: handed to the writer
+        self._finished_reqs: set[str] = set()  # prefill: of those, finished in vLLM
         self._pushed: set[str] = set()  # prefill: push over, not yet reported
         self._load_errors: set[int] = set()
         self._meta = KvPushMetadata()
@@ -150,6 +153,7 @@ class KvPushWorker:
                 decode_engine_id=t.decode_engine_id,
             )
             self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[arg-type]
+            self._triggered.add(t.req_id)
         for tid in self._meta.cancels:
             self._writer.cancel(tid)
         self._meta = KvPushMetadata()
@@ -158,17 +162,21 @@ class KvPushWorker:
         """(prefill requests whose blocks may be freed, decode requests whose
         KV has arrived or has failed)."""
         if self._writer is not None:
-            self._finished_reqs |= finished_req_ids
+            self._finished_reqs |= finished_req_ids & self._triggered
             self._pushed |= self._writer.take_finished()
             sending = self._pushed & self._finished_reqs
             self._pushed -= sending
             self._finished_reqs -= sending
+            self._triggered -= sending
             return sending, set()
         return set(), self._received()
 
     def _received(self) -> set[str]:
         if self._io is None:
             return set()
+        now = time.monotonic()
+        for tid in [t for t, expiry in self._early_done.items() if now > expiry]:
+            del self._early_done[tid]  # its receive failed or never came
         done: set[str] = set(self._early_done)
         for payload in self._io.notifications():
             try:
@@ -192,6 +200,11 @@ class KvPushWorker:
                 logger.error(
                     "kvpush: prefill %s refused us: %s", msg.engine_id, msg.reason
                 )
+                failed |= {
+                    tid
+                    for tid, e in self._expected.items()
+                    if e.expect.prefill_engine_id == msg.engine_id
+                }
         now = time.monotonic()
         failed |= {tid for tid, e in self._expected.items() if now > e.deadline}
         return failed
@@ -201,10 +214,11 @@ class KvPushWorker:
         for tid in transfer_ids:
             entry = self._expected.pop(tid, None)
             if entry is None:
-                if not failed:
-                    self._early_done.add(tid)  # its RecvExpect comes next step
+                if not failed and tid not in self._early_done:
+                    # Its RecvExpect normally comes with the next step.
+                    self._early_done[tid] = time.monotonic() + EARLY_DONE_TTL_S
                 continue
-            self._early_done.discard(tid)
+            self._early_done.pop(tid, None)
             finished.add(entry.expect.req_id)
             if failed:
                 logger.warning("kvpush: transfer %s failed; blocks marked invalid", tid)

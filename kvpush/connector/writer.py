@@ -165,7 +165,8 @@ class Writer:
         if kind == "ready":
             self._req_of[item.ready.transfer_id] = item.req_id
             self._fences[item.ready.transfer_id] = item.fence
-            self._apply(self._matcher.add_ready(item.ready, now), item.req_id, now)
+            result = self._matcher.add_ready(item.ready, now)
+            self._apply(result, item.req_id, item.ready.decode_engine_id, now)
         elif kind == "cancel":
             self._drop_all(self._matcher.cancel(item, "prefill cancelled", now))
         elif kind == "message":
@@ -175,7 +176,8 @@ class Writer:
         if isinstance(message, Hello):
             self._hello(route, message, now)
         elif isinstance(message, Registration):
-            self._apply(self._matcher.add_registration(message, now), None, now)
+            result = self._matcher.add_registration(message, now)
+            self._apply(result, None, message.decode_engine_id, now)
         elif isinstance(message, Cancel):
             self._drop_all(
                 self._matcher.cancel(message.transfer_id, message.reason, now)
@@ -202,7 +204,10 @@ class Writer:
         for matched in waiting:
             self._post(matched, now)
 
-    def _apply(self, result: AddResult, req_id: str | None, now: float) -> None:
+    def _apply(
+        self, result: AddResult, req_id: str | None, engine: str, now: float
+    ) -> None:
+        """Act on what the matcher said about an entry for decode ``engine``."""
         if isinstance(result, Matched):
             self._post(result, now)
         elif isinstance(result, Rejected):
@@ -214,7 +219,7 @@ class Writer:
             self._drop_all(result.dropped)
             if req_id is not None:  # the matcher did not take our KV
                 self._release(result.transfer_id)
-            self._fail(result.transfer_id, None, "rejected", result.reason)
+            self._fail(result.transfer_id, engine, "rejected", result.reason)
 
     def _post(self, m: Matched, now: float) -> None:
         engine = m.registration.decode_engine_id
@@ -236,12 +241,13 @@ class Writer:
     def _post_item(self, item: WorkItem, peer: _Peer, engine: str) -> None:
         """One WRITE for one work item (a block range x a layer range);
         the transfer's last item carries the Done notification."""
-        block_runs = runs(item.src_block_ids, item.dst_block_ids)
-        src, dst = descriptors(block_runs, self._io.layout, peer.layout, item.layers)
         done = Done(transfer_id=item.transfer_id, engine_id=self._engine_id,
                     num_blocks=item.num_blocks)  # fmt: skip
         notif = encode(done) if item.notify else b""
-        try:
+        try:  # a block outside either cache makes descriptors() raise
+            block_runs = runs(item.src_block_ids, item.dst_block_ids)
+            layouts = (self._io.layout, peer.layout)
+            src, dst = descriptors(block_runs, *layouts, item.layers)
             handle = self._io.write(src, dst, peer.agent_name, notif)
         except Exception as e:
             self._end(item.transfer_id, engine, "write_failed", str(e))

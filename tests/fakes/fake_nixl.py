@@ -1,0 +1,223 @@
+"""Fake transports for the connector's unit tests, shared by every test file.
+
+:class:`FakeNixlIO` stands in for :class:`kvpush.connector.nixl_io.NixlIO`
+(same public surface: ``name``, ``layout``, ``mem_type``, ``metadata``,
+``load_peer``, ``write``, ``poll``, ``notifications``, ``close``). It
+records every WRITE (:class:`WriteRecord`) and can be scripted:
+
+* :meth:`FakeNixlIO.script_polls` — what ``poll`` returns for the next
+  writes, e.g. ``("PROC", "PROC", "DONE")`` or ``("ERR",)``; the default
+  is ``("DONE",)``;
+* :meth:`FakeNixlIO.fail_next_write` — the next ``write`` raises;
+* :meth:`FakeNixlIO.deliver` — a notification arrives;
+* :meth:`FakeNixlIO.link` — two fakes act as a pair: a WRITE posted on one
+  delivers its notification (if not empty) to the other when the write
+  completes (``poll`` returns ``"DONE"``), as NIXL does.
+
+Misuse that real NIXL would punish (polling a released handle, writing to a
+peer never loaded, using a closed agent) is recorded in ``misuse`` rather
+than raised, because the writer thread swallows exceptions; tests assert it
+stays empty.
+
+:class:`FakePeers` stands in for :class:`kvpush.connector.side_channel.Peers`
+(``is_known``, ``send``, ``receive``, ``close``): it records what is sent
+and hands out replies queued with :meth:`FakePeers.queue_reply`.
+
+Both are thread-safe: the writer thread uses the fake while a test reads it.
+:func:`wait_for` is the bounded wait for what another thread does with them;
+:func:`leftovers` lists the state an owner still holds, for lifecycle tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.transfer.coalesce import Desc
+from kvpush.transfer.layout import KvLayout
+from kvpush.transfer.messages import Message, decode
+
+_METADATA_PREFIX = b"fake-nixl-agent:"
+_STATES = ("PROC", "DONE", "ERR")
+
+
+@dataclass
+class WriteRecord:
+    """One posted WRITE, as the fake saw it."""
+
+    src: list[Desc]
+    dst: list[Desc]
+    peer: str
+    notif: bytes
+    states: deque[str] = field(repr=False)
+    num_polls: int = 0
+    released: bool = False
+
+    @property
+    def message(self) -> Message:
+        """The notification decoded (a :class:`~kvpush.transfer.messages.Done`)."""
+        return decode(self.notif)
+
+
+class FakeNixlIO:
+    """A NIXL agent that moves no bytes; see the module docstring."""
+
+    def __init__(self, name: str, layout: KvLayout, mem_type: str = "DRAM") -> None:
+        self.name = name
+        self.layout = layout
+        self.mem_type = mem_type
+        self.metadata: bytes = _METADATA_PREFIX + name.encode()
+        self.writes: list[WriteRecord] = []
+        self.loaded_peers: list[str] = []
+        self.misuse: list[str] = []
+        self.closed = False
+        self._lock = threading.Lock()
+        self._poll_script: tuple[str, ...] = ("DONE",)
+        self._write_errors: deque[Exception] = deque()
+        self._notifs: list[bytes] = []
+        self._linked: dict[str, FakeNixlIO] = {}
+
+    # -- scripting (test thread) ---------------------------------------------
+
+    def script_polls(self, *states: str) -> None:
+        """``poll`` on each later write returns ``states`` in order; the last
+        one must be ``"DONE"`` or ``"ERR"`` (the handle is released then)."""
+        if not states or states[-1] == "PROC" or set(states) - set(_STATES):
+            raise ValueError(f"a poll script ends in DONE or ERR, got {states}")
+        with self._lock:
+            self._poll_script = tuple(states)
+
+    def fail_next_write(self, error: Exception | None = None) -> None:
+        """The next ``write`` raises ``error`` (a RuntimeError by default)."""
+        with self._lock:
+            self._write_errors.append(error or RuntimeError("fake NIXL refused"))
+
+    def deliver(self, payload: bytes) -> None:
+        """A notification arrives for this agent (any thread)."""
+        with self._lock:
+            self._notifs.append(payload)
+
+    def link(self, other: FakeNixlIO) -> None:
+        """Pair two fakes: each may load the other and write into it."""
+        self._linked[other.name] = other
+        other._linked[self.name] = self
+
+    def writes_snapshot(self) -> list[WriteRecord]:
+        with self._lock:
+            return list(self.writes)
+
+    # -- the NixlIO surface --------------------------------------------------
+
+    def load_peer(self, metadata: bytes) -> str:
+        if not metadata.startswith(_METADATA_PREFIX):
+            raise ValueError("not fake NIXL agent metadata")
+        name = metadata.removeprefix(_METADATA_PREFIX).decode()
+        with self._lock:
+            self.loaded_peers.append(name)
+        return name
+
+    def write(self, src: list[Desc], dst: list[Desc], peer: str, notif: bytes) -> Any:
+        with self._lock:
+            self._check_open("write")
+            if peer not in self.loaded_peers:
+                self.misuse.append(f"write to {peer!r}, which was never loaded")
+            if len(src) != len(dst):
+                self.misuse.append(f"{len(src)} src but {len(dst)} dst descriptors")
+            if self._write_errors:
+                raise self._write_errors.popleft()
+            record = WriteRecord(
+                list(src), list(dst), peer, notif, deque(self._poll_script)
+            )
+            self.writes.append(record)
+            return record
+
+    def poll(self, handle: Any) -> str:
+        with self._lock:
+            self._check_open("poll")
+            record: WriteRecord = handle
+            if record.released:
+                self.misuse.append("poll on a released handle")
+                return "ERR"
+            record.num_polls += 1
+            state = (
+                record.states.popleft() if len(record.states) > 1 else record.states[0]
+            )
+            record.released = state != "PROC"
+            peer = self._linked.get(record.peer)
+        if state == "DONE" and peer is not None and record.notif:
+            peer.deliver(record.notif)
+        return state
+
+    def notifications(self) -> list[bytes]:
+        with self._lock:
+            self._check_open("notifications")
+            out, self._notifs = self._notifs, []
+            return out
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            self.misuse.append(f"{what} after close")
+
+
+class FakePeers:
+    """Records side-channel sends instead of opening sockets."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int, Message]] = []
+        self._replies: list[Message] = []
+        self.closed = False
+
+    def is_known(self, host: str, port: int) -> bool:
+        return any((h, p) == (host, port) for h, p, _ in self.sent)
+
+    def send(self, host: str, port: int, message: Message) -> bool:
+        self.sent.append((host, port, message))
+        return True
+
+    def receive(self) -> list[Message]:
+        out, self._replies = self._replies, []
+        return out
+
+    def queue_reply(self, message: Message) -> None:
+        """``message`` comes back from a prefill at the next ``receive``."""
+        self._replies.append(message)
+
+    def messages(self, kind: type | Iterable[type] = object) -> list[Any]:
+        """The messages sent so far, optionally only those of ``kind``."""
+        kinds = tuple(kind) if isinstance(kind, Iterable) else (kind,)
+        return [m for _, _, m in self.sent if isinstance(m, kinds)]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 2.0) -> bool:
+    """Poll ``predicate`` every 2 ms until it is true or ``timeout_s`` passes;
+    its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.002)
+    return bool(predicate())
+
+
+def leftovers(owner: object, ignore: Iterable[str] = ()) -> dict[str, int]:
+    """The non-empty containers (dict, set, list, deque) among ``owner``'s
+    attributes, with their sizes: what a lifecycle test expects to be ``{}``
+    once every request it started has ended. Names nothing in particular, so
+    it keeps working as the owner's fields change."""
+    kinds = (dict, set, list, deque)
+    skip = set(ignore)
+    return {
+        name: len(value)
+        for name, value in vars(owner).items()
+        if isinstance(value, kinds) and value and name not in skip
+    }

@@ -1,0 +1,432 @@
+"""The connector's scheduler side, driven as vLLM's scheduler drives it.
+
+Decode: a request with a decode leg claims the prompt tokens its prefix
+cache lacks, registers exactly those blocks with the prefill as soon as they
+are allocated, and tells the worker to expect them; it cancels whenever it
+will not receive. Prefill: a request with a prefill leg triggers its push in
+the step that computes its last prompt token, once, with its blocks, and
+keeps them allocated until the worker reports the push over.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KvPushMetadata, PushTrigger, RecvExpect
+from kvpush.connector.scheduler import KvPushScheduler
+from kvpush.transfer.messages import Cancel, DecodeLeg, PrefillLeg, Registration
+from tests.fakes.fake_nixl import FakePeers, leftovers
+
+BS = 128
+PROMPT = 600  # ceil(600 / 128) = 5 blocks
+PREFILL_HOST, PREFILL_PORT = "127.0.0.1", 5600
+
+DECODE_PARAMS = DecodeLeg(
+    transfer_id="t1",
+    prefill_engine_id="p0",
+    prefill_host=PREFILL_HOST,
+    prefill_port=PREFILL_PORT,
+).to_dict()
+PREFILL_PARAMS = PrefillLeg(transfer_id="t2", decode_engine_id="d0").to_dict()
+
+
+# -- tiny stand-ins for vLLM's objects ------------------------------------------
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    num_prompt_tokens: int = PROMPT
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class FakeBlocks:
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class CachedReqs:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewReq] = field(default_factory=list)
+    scheduled_cached_reqs: CachedReqs = field(default_factory=CachedReqs)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def make_scheduler(role: str, trace_dir: str = "") -> tuple[KvPushScheduler, FakePeers]:
+    engine = "d0" if role == "decode" else "p0"
+    config = ConnectorConfig(
+        role=role,  # type: ignore[arg-type]
+        engine_id=engine,
+        side_channel_host="127.0.0.1",
+        side_channel_port=5601,
+        block_size=BS,
+        trace_dir=trace_dir,
+    )
+    sched = KvPushScheduler(config)
+    sched._peers.close()
+    peers = FakePeers()
+    sched._peers = peers  # type: ignore[assignment]
+    return sched, peers
+
+
+@pytest.fixture
+def decode() -> Iterator[tuple[KvPushScheduler, FakePeers]]:
+    sched, peers = make_scheduler("decode")
+    yield sched, peers
+    sched.close()
+
+
+@pytest.fixture
+def prefill() -> Iterator[KvPushScheduler]:
+    sched, peers = make_scheduler("prefill")
+    yield sched
+    assert peers.sent == [], "prefill's scheduler sends nothing itself"
+    sched.close()
+
+
+def empty_step(sched: KvPushScheduler) -> KvPushMetadata:
+    return sched.build_connector_meta(SchedulerOutput())
+
+
+# -- decode ----------------------------------------------------------------------
+
+
+def test_decode_claims_the_prompt_tokens_its_cache_lacks_asynchronously(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+
+    assert sched.get_num_new_matched_tokens(req, 256) == (PROMPT - 256, True)
+    assert peers.sent == [], "nothing is registered before blocks are allocated"
+
+
+def test_allocation_registers_the_blocks_after_the_local_hit(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    sched.get_num_new_matched_tokens(req, 256)  # 2 blocks hit locally
+
+    sched.update_state_after_alloc(req, FakeBlocks([7, 8, 1, 2, 3, 9]), PROMPT - 256)
+
+    assert peers.sent == [
+        (
+            PREFILL_HOST,
+            PREFILL_PORT,
+            Registration(
+                transfer_id="t1",
+                decode_engine_id="d0",
+                decode_agent_name="kvpush-d0",
+                dst_block_ids=(1, 2, 3),  # prompt blocks 2..4; 9 is past it
+                num_tokens=PROMPT,
+                ttl_s=sched.config.registration_ttl_s,
+                first_block=2,
+            ),
+        )
+    ]
+    meta = empty_step(sched)
+    assert meta.expects == [
+        RecvExpect(
+            req_id="r1",
+            transfer_id="t1",
+            dst_block_ids=(1, 2, 3),
+            prefill_engine_id="p0",
+            prefill_host=PREFILL_HOST,
+            prefill_port=PREFILL_PORT,
+        )
+    ]
+    assert empty_step(sched).expects == [], "each expect is sent to the worker once"
+
+
+def test_without_a_local_hit_every_prompt_block_is_registered(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
+
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+
+    (reg,) = peers.messages(Registration)
+    assert (reg.dst_block_ids, reg.first_block) == ((5, 6, 7, 8, 9), 0)
+
+
+def test_a_registered_request_claims_nothing_more(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+
+    # vLLM asks again when the request is scheduled after its KV arrived
+    assert sched.get_num_new_matched_tokens(req, PROMPT) == (0, False)
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), 0)
+    assert len(peers.messages(Registration)) == 1
+    assert peers.messages(Cancel) == []
+
+
+def test_a_full_local_hit_cancels_the_transfer_and_claims_nothing(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+
+    assert sched.get_num_new_matched_tokens(req, PROMPT) == (0, False)
+    sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
+
+    assert peers.sent == [
+        (
+            PREFILL_HOST,
+            PREFILL_PORT,
+            Cancel(
+                transfer_id="t1",
+                engine_id="d0",
+                reason="decode holds the whole prompt",
+            ),
+        )
+    ]
+    assert empty_step(sched).expects == []
+    assert sched.request_finished(req) == (False, None)
+    assert len(peers.sent) == 1, "cancelled once"
+    assert leftovers(sched) == {}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"role": "decode", "transfer_id": "t1"},  # no prefill address
+        {**DECODE_PARAMS, "prefill_port": 0},
+        {"role": "sideways", "transfer_id": "t1"},
+        {"do_remote_prefill": True},  # another connector's params
+    ],
+)
+def test_invalid_params_are_ignored_and_the_request_is_served_locally(decode, params):
+    sched, peers = decode
+    req = FakeRequest("r1", params)
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    assert empty_step(sched) == KvPushMetadata()
+    assert sched.request_finished(req) == (False, None)
+    assert peers.sent == []
+
+
+def test_a_request_without_params_is_not_kvpushs_business(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.request_finished(req) == (False, None)
+    assert peers.sent == []
+
+
+def test_decode_request_aborted_while_receiving_cancels_the_transfer(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+    empty_step(sched)
+
+    assert sched.request_finished(req) == (False, None)
+    sched.update_connector_output(finished_sending=None, finished_recving={"r1"})
+    assert leftovers(sched) == {}
+
+    (cancel,) = peers.messages(Cancel)
+    assert (cancel.transfer_id, cancel.engine_id) == ("t1", "d0")
+    assert peers.sent[-1][:2] == (PREFILL_HOST, PREFILL_PORT)
+
+
+def test_decode_request_aborted_before_allocation_cancels_the_transfer(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    sched.get_num_new_matched_tokens(req, 0)  # no room: stays waiting
+
+    sched.request_finished(req)
+
+    assert [c.transfer_id for c in peers.messages(Cancel)] == ["t1"]
+    assert peers.messages(Registration) == []
+
+
+def test_decode_request_finishing_after_its_kv_arrived_cancels_nothing(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+    empty_step(sched)
+
+    sched.update_connector_output(finished_sending=None, finished_recving={"r1"})
+    sched.build_connector_meta(SchedulerOutput(num_scheduled_tokens={"r1": 1}))
+    assert sched.request_finished(req) == (False, None)
+
+    assert peers.messages(Cancel) == []
+    assert not sched.has_pending_push_work()
+    assert leftovers(sched) == {}, "the request's whole life left nothing behind"
+
+
+def test_decode_traces_the_registration_and_the_first_decode_step(tmp_path: Path):
+    sched, _ = make_scheduler("decode", trace_dir=str(tmp_path))
+    try:
+        req = FakeRequest("r1", DECODE_PARAMS)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+        empty_step(sched)  # waiting for KV: not scheduled
+        out = SchedulerOutput(num_scheduled_tokens={"r1": 1})
+        sched.build_connector_meta(out)
+        sched.build_connector_meta(out)  # marked once
+    finally:
+        sched.close()
+
+    (trace,) = tmp_path.glob("d0-*.jsonl")
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [(x["transfer_id"], x["event"]) for x in lines] == [
+        ("t1", "reg_sent"),
+        ("t1", "first_decode_step"),
+    ]
+    assert lines[0]["num_blocks"] == 5
+
+
+# -- prefill ---------------------------------------------------------------------
+
+
+def admit(sched: KvPushScheduler, req: FakeRequest) -> None:
+    """vLLM admits a waiting request: match, allocate."""
+    assert sched.get_num_new_matched_tokens(req, req.num_computed_tokens) == (0, False)
+    sched.update_state_after_alloc(req, FakeBlocks([]), 0)
+
+
+def run_step(
+    sched: KvPushScheduler, req: FakeRequest, num_tokens: int, out: SchedulerOutput
+) -> KvPushMetadata:
+    """One engine step that computes ``num_tokens`` of ``req``; vLLM builds
+    the metadata before it advances ``num_computed_tokens``."""
+    out.num_scheduled_tokens = {req.request_id: num_tokens}
+    meta = sched.build_connector_meta(out)
+    req.num_computed_tokens += num_tokens
+    return meta
+
+
+def new(req: FakeRequest, blocks: list[int]) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=[NewReq(req.request_id, (blocks,), req.num_computed_tokens)]
+    )
+
+
+def cached(
+    req: FakeRequest, blocks: list[int] | None, resumed: bool = False
+) -> SchedulerOutput:
+    rid = req.request_id
+    return SchedulerOutput(
+        scheduled_cached_reqs=CachedReqs(
+            req_ids=[rid],
+            new_block_ids=[None if blocks is None else (blocks,)],
+            resumed_req_ids={rid} if resumed else set(),
+        )
+    )
+
+
+def trigger_for(req: FakeRequest, blocks: tuple[int, ...]) -> PushTrigger:
+    return PushTrigger(
+        req_id=req.request_id,
+        transfer_id="t2",
+        src_block_ids=blocks,
+        num_tokens=req.num_prompt_tokens,
+        decode_engine_id="d0",
+    )
+
+
+def test_push_is_triggered_in_the_step_computing_the_last_prompt_token(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+
+    chunk1 = run_step(prefill, req, 256, new(req, [1, 2]))  # tokens 0..255
+    chunk2 = run_step(prefill, req, 256, cached(req, [3, 4]))  # 256..511
+    assert (chunk1.triggers, chunk2.triggers) == ([], [])
+    assert prefill.has_pending_push_work() is False
+
+    last = run_step(prefill, req, 88, cached(req, [5, 6]))  # 512..599
+    assert last.triggers == [trigger_for(req, (1, 2, 3, 4, 5))]
+    assert prefill.has_pending_push_work() is True
+
+    after = run_step(prefill, req, 1, cached(req, [7]))  # first output token
+    assert after.triggers == [], "triggered once"
+
+
+def test_a_prompt_computed_in_one_step_triggers_in_that_step(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+
+    meta = run_step(prefill, req, PROMPT, new(req, [9, 3, 4, 8, 1]))
+
+    assert meta.triggers == [trigger_for(req, (9, 3, 4, 8, 1))]
+
+
+def test_a_resumed_request_pushes_its_new_blocks(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+    run_step(prefill, req, 256, new(req, [1, 2]))
+    req.num_computed_tokens = 0  # preempted: its blocks were freed
+
+    meta = run_step(prefill, req, PROMPT, cached(req, [11, 12, 13, 14, 15], True))
+
+    assert meta.triggers == [trigger_for(req, (11, 12, 13, 14, 15))]
+
+
+def test_steps_that_do_not_schedule_the_request_do_not_trigger(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+    req.num_computed_tokens = PROMPT - 1  # even on the brink
+
+    assert empty_step(prefill).triggers == []
+
+
+def test_a_triggered_request_keeps_its_blocks_until_the_push_ends(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+    run_step(prefill, req, PROMPT, new(req, [1, 2, 3, 4, 5]))
+
+    assert prefill.request_finished(req) == (True, None)
+    assert prefill.has_pending_push_work()
+    prefill.update_connector_output(finished_sending=set(), finished_recving=None)
+    assert prefill.has_pending_push_work()
+
+    prefill.update_connector_output(finished_sending={"r2"}, finished_recving=None)
+    assert not prefill.has_pending_push_work()
+    assert empty_step(prefill).cancels == []
+    assert leftovers(prefill) == {}
+
+
+def test_a_request_aborted_before_its_trigger_frees_its_blocks_and_cancels(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+    run_step(prefill, req, 256, new(req, [1, 2]))
+
+    assert prefill.request_finished(req) == (False, None)
+
+    assert empty_step(prefill).cancels == ["t2"]
+    assert empty_step(prefill).cancels == [], "cancelled once"
+    assert not prefill.has_pending_push_work()
+    assert leftovers(prefill) == {}
+
+
+def test_a_plain_request_on_prefill_is_freed_normally(prefill):
+    req = FakeRequest("r3", None)
+    admit(prefill, req)
+    assert run_step(prefill, req, PROMPT, new(req, [1, 2, 3, 4, 5])).triggers == []
+    assert prefill.request_finished(req) == (False, None)
+    assert not prefill.has_pending_push_work()

@@ -1,0 +1,183 @@
+"""The side channel delivers valid kvpush messages from decode's DEALER
+sockets to prefill's listener and its replies back to the socket that sent
+them, and drops (and counts) anything else without missing a beat.
+
+Real ZMQ sockets on 127.0.0.1, each test on a fresh free port.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import socket
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from kvpush.connector.side_channel import Listener, Peers
+from kvpush.transfer.messages import (
+    MAX_MESSAGE_BYTES,
+    Cancel,
+    HelloReply,
+    Message,
+    Registration,
+    encode,
+)
+from tests.fakes.fake_nixl import wait_for
+
+HOST = "127.0.0.1"
+WAIT_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def registration(tid: str = "t1") -> Registration:
+    return Registration(
+        transfer_id=tid,
+        decode_engine_id="d0",
+        decode_agent_name="kvpush-d0",
+        dst_block_ids=(1, 2),
+        num_tokens=20,
+        ttl_s=10.0,
+    )
+
+
+class Inbox:
+    """The listener's ``on_message``: queues what it is given."""
+
+    def __init__(self) -> None:
+        self.items: queue.Queue[tuple[bytes, Message]] = queue.Queue()
+        self.fail_next = False
+
+    def __call__(self, route: bytes, message: Message) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("handler bug")
+        self.items.put((route, message))
+
+    def next(self) -> tuple[bytes, Message]:
+        return self.items.get(timeout=WAIT_S)
+
+
+@pytest.fixture
+def channel() -> Iterator[tuple[Listener, Inbox, int]]:
+    inbox = Inbox()
+    port = free_port()
+    listener = Listener(HOST, port, inbox)
+    yield listener, inbox, port
+    listener.close()
+    assert not listener._thread.is_alive(), "listener thread did not stop"
+
+
+@pytest.fixture
+def peers() -> Iterator[Peers]:
+    p = Peers()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def raw_dealer(channel) -> Iterator[zmq.Socket[bytes]]:
+    _, _, port = channel
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{HOST}:{port}")
+    yield sock
+    sock.close(linger=0)
+
+
+def test_a_registration_sent_through_peers_reaches_the_listener(channel, peers):
+    _, inbox, port = channel
+
+    assert peers.send(HOST, port, registration())
+
+    route, message = inbox.next()
+    assert message == registration()
+    assert route, "the sender's route comes with the message"
+    assert peers.is_known(HOST, port)
+
+
+def test_a_reply_reaches_the_socket_that_sent_the_message(channel, peers):
+    listener, inbox, port = channel
+    other = Peers()
+    try:
+        other.send(HOST, port, Cancel(transfer_id="t0", engine_id="d1"))
+        inbox.next()
+        peers.send(HOST, port, registration())
+        route, _ = inbox.next()
+
+        listener.reply(route, HelloReply(engine_id="p0", accepted=True))
+
+        got: list[Message] = []
+        assert wait_for(lambda: got.extend(peers.receive()) or got, WAIT_S)
+        assert got == [HelloReply(engine_id="p0", accepted=True)]
+        assert other.receive() == [], "only the sender gets the reply"
+    finally:
+        other.close()
+
+
+def wrong_version() -> bytes:
+    return msgspec.msgpack.encode((2, registration()))
+
+
+GARBAGE: dict[str, Callable[[], list[bytes]]] = {
+    "random bytes": lambda: [random.Random(7).randbytes(64)],
+    "empty": lambda: [b""],
+    "oversized": lambda: [encode(registration()) + b"\0" * MAX_MESSAGE_BYTES],
+    "wrong version": lambda: [wrong_version()],
+    "unknown type": lambda: [msgspec.msgpack.encode((1, {"type": "evil"}))],
+    "invalid body": lambda: [msgspec.msgpack.encode((1, {"type": "registration"}))],
+    "three frames": lambda: [encode(registration("t9")), b"extra"],
+}
+
+
+@pytest.mark.parametrize("frames", GARBAGE.values(), ids=GARBAGE.keys())
+def test_garbage_is_counted_and_dropped_and_the_next_message_gets_through(
+    channel, raw_dealer, frames
+):
+    listener, inbox, _ = channel
+
+    raw_dealer.send_multipart(frames())
+    raw_dealer.send(encode(registration("t2")))
+
+    _, message = inbox.next()
+    assert message == registration("t2"), "the garbage was not delivered"
+    assert listener.num_rejected == 1
+    assert inbox.items.empty()
+
+
+def test_a_failing_handler_does_not_stop_the_listener(channel, raw_dealer):
+    listener, inbox, _ = channel
+    inbox.fail_next = True
+
+    raw_dealer.send(encode(registration("t1")))
+    raw_dealer.send(encode(registration("t2")))
+
+    assert inbox.next()[1] == registration("t2")
+    assert listener.num_rejected == 0
+
+
+def test_peers_receive_drops_malformed_replies(peers):
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port(f"tcp://{HOST}")
+    try:
+        peers.send(HOST, port, registration())
+        assert router.poll(int(WAIT_S * 1000)), "the registration never arrived"
+        route, _ = router.recv_multipart()
+        router.send_multipart([route, b"not a message"])
+        router.send_multipart(
+            [route, encode(HelloReply(engine_id="p0", accepted=True))]
+        )
+
+        got: list[Message] = []
+        assert wait_for(lambda: got.extend(peers.receive()) or got, WAIT_S)
+        assert got == [HelloReply(engine_id="p0", accepted=True)]
+    finally:
+        router.close(linger=0)
