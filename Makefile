@@ -1,5 +1,5 @@
 # The two commands: `make demo` and `make test`. Both set up .venv if needed.
-.PHONY: demo test unit integration lint venv clean
+.PHONY: demo test unit integration lint venv clean bench
 
 VENV := .venv/.kvpush-installed
 PY := .venv/bin/python
@@ -11,6 +11,10 @@ venv: $(VENV)
 
 demo: $(VENV)
 	$(PY) -m kvpush.demo
+
+# Reproduces BENCHMARKS.md and docs/bench/*.png (about 7 minutes).
+bench: $(VENV)
+	$(PY) -m kvpush bench --publish
 
 lint: $(VENV)
 	.venv/bin/ruff check kvpush tests

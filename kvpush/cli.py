@@ -1,4 +1,4 @@
-"""The ``kvpush`` command: make-model, up, down, status, router."""
+"""The ``kvpush`` command: make-model, up, down, status, router, bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush import env
+from kvpush.bench.cli import add_parser as add_bench_parser
 from kvpush.topology import MODES
 
 
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.set_defaults(func=_cmd_router)
+    add_bench_parser(sub)
     return parser
 
 

@@ -127,7 +127,8 @@ class KvPushScheduler:
             first_block=first,
         )
         self._peers.send(leg.prefill_host, leg.prefill_port, reg)
-        self._tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst))
+        self._tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst),
+                          request_id=rid)  # fmt: skip
         self._registered.add(rid)
         self._receiving[rid] = leg
         self._awaiting_first_step[rid] = leg.transfer_id

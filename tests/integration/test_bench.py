@@ -63,6 +63,7 @@ def test_resources_warmup_and_files_are_recorded(results: Path) -> None:
         assert roles == sorted([*expected, "router"])
         assert all(u.peak_rss_mb > 0 for u in config.usage)
         assert config.warmup is not None and config.warmup.num_ok >= 1
+        assert config.load is not None and config.load.cluster_cores > 0
         assert config.points[0].handover is None  # vLLM writes no timelines
     for name in ("summary.json", "report.md", "ttft_vs_qps.png", "tpot_vs_qps.png",
                  "ttft_cdf.png", "timeline.png"):  # fmt: skip

@@ -1,0 +1,158 @@
+"""``kvpush bench``: its flags, and the command that runs it.
+
+Every flag except ``--preset``/``--quick``, ``--config``, ``--publish`` and
+``--render`` is a :class:`BenchConfig` field (the same names in a config
+file). Lists are comma-separated (``--qps 1,2,4``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kvpush.bench.config import PRESETS, load_config_file, make_config, preset
+
+# (flag, field, type, help); type None means a string taken as is.
+_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--configs", "configs", None, "configurations to compare, comma-separated "
+     "(default colocated,vllm-pull,vllm-push,kvpush)"),
+    ("--prefill", "num_prefill", int, "prefill instances of P/D configurations (1)"),
+    ("--decode", "num_decode", int, "decode instances of P/D configurations (1)"),
+    ("--model", "model", Path, "model directory (default: the tiny model)"),
+    ("--model-layers", "model_layers", int, "generate a model with this many layers"),
+    ("--model-hidden-size", "model_hidden_size", int, "... and this hidden size"),
+    ("--model-kv-heads", "model_kv_heads", int, "... and this many KV heads"),
+    ("--dtype", "dtype", None, "model dtype (float32)"),
+    ("--max-model-len", "max_model_len", int, "per instance (4096)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "per instance"),
+    ("--kv-cache-space-gb", "kv_cache_space_gb", int, "per instance (1)"),
+    ("--arrival", "arrival", None, "poisson (open loop, --qps) or concurrency"),
+    ("--qps", "qps", None, "request rates to sweep (1,2,4,8)"),
+    ("--concurrency", "concurrency", None, "requests in flight to sweep"),
+    ("--prompt-len", "prompt_len", None, "N, A-B (uniform) or trace:FILE.jsonl (1000)"),
+    ("--output-len", "output_len", None, "N, A-B or trace:FILE.jsonl (32)"),
+    ("--prompt-len-sweep", "prompt_len_sweep", None, "sweep these prompt lengths "
+     "instead, at a single load"),
+    ("--num-requests", "num_requests", int, "requests per sweep point (40)"),
+    ("--num-warmup", "num_warmup", int, "warm-up requests per configuration (4)"),
+    ("--shared-prefix-fraction", "shared_prefix_fraction", float,
+     "leading fraction of each prompt shared by all requests of a point (0)"),
+    ("--seed", "seed", int, "workload seed (0)"),
+    ("--request-timeout-s", "request_timeout_s", float, "per request (120)"),
+    ("--num-timeline-requests", "num_timeline_requests", int,
+     "requests drawn in the timeline plot (8)"),
+    ("--output", "output_dir", Path, "results directory (bench-results/<time>)"),
+    ("--port", "port", int, "router port (28000)"),
+    ("--base-http-port", "base_http_port", int, "first instance port (28100)"),
+    ("--base-side-channel-port", "base_side_channel_port", int,
+     "first NIXL side-channel port (29000)"),
+    ("--startup-timeout-s", "startup_timeout_s", float, "per cluster (300)"),
+)  # fmt: skip
+_NOT_IN_COMMAND = ("output_dir",)
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``bench`` to the ``kvpush`` command's subparsers."""
+    p = sub.add_parser(
+        "bench",
+        help="compare configurations side by side on one workload",
+        description=(
+            "Run each configuration in turn (fresh cluster, warm-up, the same "
+            "requests) and write raw records, summary.json, report.md and plots."
+        ),
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="base settings (default)")
+    p.add_argument(
+        "--quick", action="store_const", const="quick", dest="preset",
+        help="the CI preset: one point, a handful of short requests",
+    )  # fmt: skip
+    p.add_argument("--config", type=Path, help="JSON or TOML file of settings")
+    for flag, dest, kind, text in _FLAGS:
+        p.add_argument(flag, dest=dest, type=kind, help=text, metavar=_metavar(dest))
+    p.add_argument(
+        "--publish", nargs="?", const=Path("."), type=Path, metavar="ROOT",
+        help="also write ROOT/BENCHMARKS.md and ROOT/docs/bench/*.png (ROOT: .)",
+    )  # fmt: skip
+    p.add_argument(
+        "--render", type=Path, metavar="DIR",
+        help="redo report and plots of an earlier run in DIR; runs nothing",
+    )  # fmt: skip
+    p.set_defaults(func=run_command)
+
+
+def _metavar(dest: str) -> str:
+    if dest in ("configs", "qps", "concurrency", "prompt_len_sweep"):
+        return "LIST"
+    if dest in ("prompt_len", "output_len"):
+        return "LENGTHS"
+    if dest in ("model", "output_dir"):
+        return "DIR"
+    if dest.startswith("num_") or dest == "seed":
+        return "N"
+    return "S" if dest.endswith("_s") else dest.rsplit("_", 1)[-1].upper()
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The flags given, as a command (output location left out)."""
+    words = ["kvpush", "bench"]
+    if args.preset:
+        words += ["--preset", args.preset]
+    if args.config:
+        words += ["--config", str(args.config)]
+    for flag, dest, _, _ in _FLAGS:
+        value = getattr(args, dest)
+        if value is not None and dest not in _NOT_IN_COMMAND:
+            words += [flag, str(value)]
+    if args.publish is not None:
+        words += ["--publish"] + (
+            [] if args.publish == Path(".") else [str(args.publish)]
+        )
+    return shlex.join(words)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """Preset, then file, then flags."""
+    layers = [preset(args.preset or "default")]
+    if args.config:
+        layers.append(load_config_file(args.config))
+    layers.append(
+        {
+            dest: getattr(args, dest)
+            for _, dest, _, _ in _FLAGS
+            if getattr(args, dest) is not None
+        }
+    )
+    return make_config(*layers)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from kvpush.bench.outputs import publish, write_outputs
+    from kvpush.bench.screen import print_summary
+    from kvpush.bench.summary import load_summary
+
+    console = Console()
+    if args.render:
+        out_dir, summary = args.render, load_summary(args.render)
+    else:
+        out_dir, summary = _run(args, console)
+    files = write_outputs(out_dir, summary)
+    if args.publish is not None:
+        files += publish(out_dir, summary, args.publish)
+    print_summary(console, summary, files)
+    return 0 if all(c.status == "ok" for c in summary.configs) else 1
+
+
+def _run(args: argparse.Namespace, console: Console) -> tuple[Path, Any]:
+    from kvpush.bench.runner import prepare, run_bench
+
+    config = config_from_args(args)
+    plan = prepare(config, console)
+    console.print(
+        f"benchmarking {', '.join(config.configs)}: {len(plan.points)} points x "
+        f"{config.num_requests} requests each; results in {plan.out_dir}"
+    )
+    return plan.out_dir, run_bench(plan, console, command_line(args))

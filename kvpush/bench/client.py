@@ -1,0 +1,132 @@
+"""The benchmark's streaming OpenAI client (asyncio + aiohttp).
+
+:func:`send` posts one request to ``/v1/completions`` through the router and
+returns its :class:`RequestRecord`, whatever happens: an HTTP error, a broken
+connection, an error event in the stream, a stream cut short or the
+deadline passing all end as a record whose ``error`` says which. A chunk
+counts as a token when it carries a choice (its text may be empty: a
+byte-level token can end mid-character); the usage chunk does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+
+from kvpush.bench.records import (
+    CONNECT,
+    INCOMPLETE,
+    NO_TOKENS,
+    STREAM_ERROR,
+    TIMEOUT,
+    RequestRecord,
+)
+from kvpush.bench.workload import RequestSpec
+
+TRANSPORT = "transport"
+REQUEST_ID_HEADER = "X-Request-Id"
+_MAX_DETAIL = 300
+
+
+def make_session() -> aiohttp.ClientSession:
+    """One session for a whole configuration run: no connection limit, no
+    session-wide timeout (each request has its own deadline)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    spec: RequestSpec,
+    record: RequestRecord,
+    timeout_s: float,
+    point_start: float,
+) -> RequestRecord:
+    """Send ``spec`` and fill ``record`` (times relative to ``point_start``,
+    a ``time.perf_counter()`` value)."""
+    start = time.perf_counter()
+    record.sent_s = start - point_start
+    record.sent_wall = time.time()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _exchange(session, url, spec, record, start)
+    except TimeoutError:
+        _fail(record, TIMEOUT, f"no complete answer within {timeout_s:g} s")
+    except aiohttp.ClientConnectorError as e:
+        _fail(record, CONNECT, str(e))
+    except (aiohttp.ClientError, ConnectionError) as e:
+        _fail(record, TRANSPORT, f"{type(e).__name__}: {e}")
+    record.end_s = time.perf_counter() - start
+    return record
+
+
+async def _exchange(
+    session: aiohttp.ClientSession,
+    url: str,
+    spec: RequestSpec,
+    record: RequestRecord,
+    start: float,
+) -> None:
+    headers = {REQUEST_ID_HEADER: spec.bench_id}
+    endpoint = url.rstrip("/") + "/v1/completions"
+    async with session.post(endpoint, json=spec.body(), headers=headers) as resp:
+        record.status = resp.status
+        if resp.status != 200:
+            text = await resp.text(errors="replace")
+            _fail(record, f"http_{resp.status}", text)
+            return
+        await _read_stream(resp, record, start)
+
+
+async def _read_stream(
+    resp: aiohttp.ClientResponse, record: RequestRecord, start: float
+) -> None:
+    """Read SSE lines until ``[DONE]``, timing every token chunk."""
+    async for raw in resp.content:
+        now = time.perf_counter() - start
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[len(b"data:") :].strip()
+        if payload == b"[DONE]":
+            if not record.token_times_s:
+                _fail(record, NO_TOKENS, "the stream ended without any token")
+            return
+        event = _decode(payload)
+        if event is None or "error" in event:
+            _fail(record, STREAM_ERROR, payload.decode(errors="replace"))
+            return
+        if event.get("choices"):
+            record.token_times_s.append(now)
+        _note_usage(record, event.get("usage"))
+    _fail(record, INCOMPLETE, "the stream ended without [DONE]")
+
+
+def _decode(payload: bytes) -> dict[str, Any] | None:
+    try:
+        event = json.loads(payload)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _note_usage(record: RequestRecord, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(prompt, int):
+        record.prompt_tokens = prompt
+    if isinstance(completion, int):
+        record.output_tokens = completion
+
+
+def _fail(record: RequestRecord, kind: str, detail: str) -> None:
+    record.error = kind
+    record.error_detail = detail[:_MAX_DETAIL]

@@ -1,0 +1,266 @@
+"""The benchmark's one frozen config, validated at construction.
+
+Values are layered: the field defaults, then a preset (``quick`` for CI),
+then an optional JSON or TOML file whose keys are the field names, then
+command-line flags. :func:`make_config` turns plain values from any of those
+into a :class:`BenchConfig`, raising ``ValueError`` that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench.lengths import LengthSpec
+from kvpush.topology import MODES
+
+ARRIVALS = ("poisson", "concurrency")
+DEFAULT_CONFIGS = ("colocated", "vllm-pull", "vllm-push", "kvpush")
+
+# Presets are partial configs applied before the file and the flags.
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "quick": {
+        "qps": (4.0,),
+        "prompt_len": "256",
+        "output_len": "8",
+        "num_requests": 6,
+        "num_warmup": 2,
+        "num_timeline_requests": 4,
+    },
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything ``kvpush bench`` needs.
+
+    Each configuration in ``configs`` (a cluster mode) gets a fresh cluster
+    of ``num_prefill`` + ``num_decode`` instances (one instance when
+    colocated) and the same workload: for every sweep point,
+    ``num_requests`` requests with prompt and output lengths drawn from
+    ``prompt_len`` / ``output_len`` (see :mod:`kvpush.bench.lengths`),
+    arriving as a Poisson process at each of ``qps`` (``arrival="poisson"``)
+    or kept at each of ``concurrency`` in flight. A non-empty
+    ``prompt_len_sweep`` sweeps fixed prompt lengths instead, at the one
+    load given. ``shared_prefix_fraction`` of every prompt is a prefix
+    common to all requests of a point. ``model_*`` pick a model size other
+    than the tiny default (built on first use); ``model`` a model directory.
+    """
+
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: Path | None = None
+    model_layers: int | None = None
+    model_hidden_size: int | None = None
+    model_kv_heads: int | None = None
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    max_num_batched_tokens: int | None = None
+    kv_cache_space_gb: int = 1
+    arrival: str = "poisson"
+    qps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
+    concurrency: tuple[int, ...] = (1,)
+    prompt_len: str = "1000"
+    output_len: str = "32"
+    prompt_len_sweep: tuple[int, ...] = ()
+    num_requests: int = 40
+    num_warmup: int = 4
+    shared_prefix_fraction: float = 0.0
+    seed: int = 0
+    request_timeout_s: float = 120.0
+    num_timeline_requests: int = 8
+    output_dir: Path | None = None
+    port: int = 28000
+    base_http_port: int = 28100
+    base_side_channel_port: int = 29000
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        self._check_configs()
+        self._check_load()
+        self._check_lengths()
+        _require(self.num_prefill >= 1, "num_prefill must be at least 1")
+        _require(self.num_decode >= 1, "num_decode must be at least 1")
+        _require(self.num_requests >= 1, "num_requests must be at least 1")
+        _require(self.num_warmup >= 1, "num_warmup must be at least 1 (handshake)")
+        _require(
+            0.0 <= self.shared_prefix_fraction < 1.0,
+            "shared_prefix_fraction must be in [0, 1)",
+        )
+        _require(self.seed >= 0, "seed must be >= 0")
+        _require(self.request_timeout_s > 0, "request_timeout_s must be positive")
+        _require(self.num_timeline_requests >= 0, "num_timeline_requests must be >= 0")
+        self._check_model()
+
+    def _check_model(self) -> None:
+        sizes = ("model_layers", "model_hidden_size", "model_kv_heads")
+        for name in sizes:
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"{name} must be >= 1 (or unset)")
+        _require(
+            self.model is None or all(getattr(self, n) is None for n in sizes),
+            "give either model (a directory) or model_* sizes, not both",
+        )
+
+    def _check_configs(self) -> None:
+        _require(bool(self.configs), f"configs must name one or more of {MODES}")
+        unknown = [c for c in self.configs if c not in MODES]
+        _require(not unknown, f"unknown configs {unknown}; choose from {MODES}")
+        _require(
+            len(set(self.configs)) == len(self.configs),
+            f"configs lists a configuration twice: {list(self.configs)}",
+        )
+
+    def _check_load(self) -> None:
+        _require(
+            self.arrival in ARRIVALS,
+            f"arrival must be one of {ARRIVALS}, not {self.arrival!r}",
+        )
+        _require(bool(self.loads), f"give at least one value for {self.arrival_key}")
+        _require(all(v > 0 for v in self.loads), f"{self.arrival_key} must be > 0")
+        if self.arrival == "concurrency":
+            _require(
+                all(float(v).is_integer() for v in self.concurrency),
+                "concurrency values must be whole numbers",
+            )
+        if self.prompt_len_sweep:
+            _require(
+                len(self.loads) == 1,
+                f"a prompt_len_sweep runs at one load: give a single "
+                f"{self.arrival_key} value, not {list(self.loads)}",
+            )
+            _require(
+                all(n >= 1 for n in self.prompt_len_sweep),
+                "prompt_len_sweep lengths must be >= 1",
+            )
+
+    def _check_lengths(self) -> None:
+        prompt, output = self.prompt_spec, self.output_spec
+        longest_prompt = max(self.prompt_len_sweep, default=prompt.max_value)
+        if longest_prompt is not None and output.max_value is not None:
+            _require(
+                longest_prompt + output.max_value <= self.max_model_len,
+                f"longest prompt ({longest_prompt}) + output ({output.max_value}) "
+                f"exceeds max_model_len {self.max_model_len}; shorten them or "
+                f"raise max_model_len",
+            )
+
+    @property
+    def prompt_spec(self) -> LengthSpec:
+        return LengthSpec.parse(self.prompt_len)
+
+    @property
+    def output_spec(self) -> LengthSpec:
+        return LengthSpec.parse(self.output_len)
+
+    @property
+    def arrival_key(self) -> str:
+        """The field holding the load values: ``qps`` or ``concurrency``."""
+        return "qps" if self.arrival == "poisson" else "concurrency"
+
+    @property
+    def loads(self) -> tuple[float, ...]:
+        """The load values of the chosen arrival process."""
+        return tuple(float(v) for v in getattr(self, self.arrival_key))
+
+    @property
+    def sweep_axis(self) -> str:
+        """What varies between sweep points: qps, concurrency or prompt_len."""
+        return "prompt_len" if self.prompt_len_sweep else self.arrival_key
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (paths as strings, tuples as lists)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, Path) else value
+            if isinstance(value, tuple):
+                out[f.name] = list(value)
+        return out
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(BenchConfig))
+_PATHS = ("model", "output_dir")
+_TUPLES = {
+    "configs": str,
+    "qps": float,
+    "concurrency": int,
+    "prompt_len_sweep": int,
+}
+_STRINGS = ("prompt_len", "output_len")
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a JSON or TOML file of BenchConfig fields into a dict."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read bench config {path}: {e}") from e
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"bench config {path} is not valid: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"bench config {path} must hold a table/object of settings")
+    return data
+
+
+def make_config(*layers: dict[str, Any]) -> BenchConfig:
+    """A BenchConfig from value layers, later layers winning (preset, file,
+    flags); converts lists, paths and numbers, naming the key on error."""
+    values: dict[str, Any] = {}
+    for layer in layers:
+        unknown = sorted(set(layer) - FIELD_NAMES)
+        if unknown:
+            raise ValueError(
+                f"unknown bench settings {unknown}; known: {sorted(FIELD_NAMES)}"
+            )
+        values.update(layer)
+    converted = {key: _convert(key, value) for key, value in values.items()}
+    try:
+        return BenchConfig(**converted)
+    except TypeError as e:
+        raise ValueError(f"bad bench setting: {e}") from e
+
+
+def _convert(key: str, value: Any) -> Any:
+    try:
+        if value is None:
+            return None
+        if key in _PATHS:
+            return Path(value).expanduser()
+        if key in _TUPLES:
+            items = value.split(",") if isinstance(value, str) else value
+            return tuple(_item(_TUPLES[key], v) for v in items)
+        if key in _STRINGS:
+            return str(value)
+        return value
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bench setting {key}={value!r} is not valid: {e}") from e
+
+
+def _item(kind: type, value: Any) -> Any:
+    if kind is str:
+        return str(value).strip()
+    number = float(value)
+    if kind is int and not number.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    return kind(number)
+
+
+def preset(name: str) -> dict[str, Any]:
+    """The values of a named preset."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return dict(PRESETS[name])

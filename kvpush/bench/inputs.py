@@ -1,0 +1,103 @@
+"""What the workload is built from: the model, its vocabulary, length traces.
+
+The thin I/O shell around :mod:`kvpush.bench.workload`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from kvpush import env
+from kvpush.bench.config import BenchConfig
+from kvpush.bench.lengths import read_trace
+from kvpush.bench.workload import Traces
+from kvpush.model import ModelSpec, default_model_dir, ensure_model
+
+
+def model_spec(config: BenchConfig) -> ModelSpec | None:
+    """The spec of a non-default model size (None: the default tiny model)."""
+    if (config.model_layers, config.model_hidden_size, config.model_kv_heads) == (
+        None,
+        None,
+        None,
+    ):
+        return None
+    base = ModelSpec()
+    kv_heads = config.model_kv_heads or base.num_kv_heads
+    hidden = config.model_hidden_size or base.hidden_size
+    heads = kv_heads * -(-base.num_heads // kv_heads)  # a multiple of kv_heads
+    return ModelSpec(
+        num_layers=config.model_layers or base.num_layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=2 * hidden,
+    )
+
+
+def resolve_model(config: BenchConfig, console: Console) -> Path:
+    """The model directory to serve, building a generated model if needed."""
+    if config.model is not None:
+        if not (config.model / "config.json").is_file():
+            raise ValueError(f"model {config.model} is not a model directory")
+        return config.model
+    home = env.kvpush_home()
+    spec = model_spec(config)
+    if spec is None:
+        target, spec = default_model_dir(home), ModelSpec()
+    else:
+        name = (
+            f"tiny-qwen3-l{spec.num_layers}-h{spec.hidden_size}-kv{spec.num_kv_heads}"
+        )
+        target = home / "models" / name
+    with console.status(f"preparing the model in {target}"):
+        return ensure_model(target, spec)
+
+
+def describe_model(model_dir: Path) -> str:
+    """Name and shape of a model, from its config.json."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return model_dir.name
+    shape = [
+        f"{cfg.get('num_hidden_layers', '?')} layers",
+        f"hidden {cfg.get('hidden_size', '?')}",
+        f"{cfg.get('num_attention_heads', '?')} heads / "
+        f"{cfg.get('num_key_value_heads', '?')} KV heads",
+        f"vocab {cfg.get('vocab_size', '?')}",
+    ]
+    return f"{model_dir.name} ({', '.join(shape)})"
+
+
+def normal_token_ids(model_dir: Path) -> list[int]:
+    """Token ids of the model's tokenizer that are neither special nor added:
+    any sequence of them encodes to exactly that many prompt tokens."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer of {model_dir}: {e}") from e
+    excluded = set(tokenizer.all_special_ids)
+    excluded |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return sorted(set(tokenizer.get_vocab().values()) - excluded)
+
+
+def load_traces(config: BenchConfig) -> Traces:
+    """Lengths from the trace files the config names (if any)."""
+    prompt, output = config.prompt_spec, config.output_spec
+    prompt_lens = (
+        read_trace(prompt.path, "prompt_len")
+        if prompt.kind == "trace" and prompt.path and not config.prompt_len_sweep
+        else []
+    )
+    output_lens = (
+        read_trace(output.path, "output_len")
+        if output.kind == "trace" and output.path
+        else []
+    )
+    return Traces(tuple(prompt_lens), tuple(output_lens))

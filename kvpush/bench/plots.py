@@ -1,0 +1,215 @@
+"""PNG plots of a run (matplotlib, Agg backend; small files).
+
+- TTFT p50 and p99 against the sweep axis, one colour per configuration;
+- TPOT p50 and p99 against the sweep axis;
+- the TTFT CDF at every sweep point;
+- a timeline of a few requests of the first point per configuration, each
+  from its own send: waiting for the first token, then decoding, with the
+  server's handover phases drawn inside where timelines exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from kvpush.bench.records import RequestRecord
+from kvpush.bench.report import AXIS_NAMES, plot_files
+from kvpush.bench.stats import ttft_s
+from kvpush.bench.summary import BenchSummary
+from kvpush.bench.timeline import MATCHED, Timeline
+
+DPI = 80
+_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+# Server segments drawn in the timeline: (label, from event, to event).
+_SERVER_SEGMENTS = (
+    ("await registration", "kv_ready", MATCHED),
+    ("write setup", MATCHED, "write_posted"),
+    ("transfer", "write_posted", "write_done"),
+    ("notify", "write_done", "notif_received"),
+    ("schedule decode", "notif_received", "first_decode_step"),
+)
+
+
+def write_plots(
+    summary: BenchSummary,
+    records: Sequence[RequestRecord],
+    timelines: Mapping[str, Mapping[str, Timeline]],
+    out_dir: Path,
+    num_timeline_requests: int = 8,
+) -> list[Path]:
+    """Write every plot into ``out_dir``; returns their paths."""
+    files = plot_files(summary.axis)
+    names = [c.name for c in summary.configs if c.status == "ok"]
+    timeline_path = out_dir / files["timeline"]
+    return [
+        _against_axis(summary, names, "ttft_ms", "TTFT", out_dir / files["ttft"]),
+        _against_axis(summary, names, "tpot_ms", "TPOT", out_dir / files["tpot"]),
+        _cdf(summary, names, records, out_dir / files["cdf"]),
+        _timeline(names, records, timelines, num_timeline_requests, timeline_path),
+    ]
+
+
+def _color(names: Sequence[str], name: str) -> str:
+    return _COLORS[names.index(name) % len(_COLORS)]
+
+
+def _against_axis(
+    summary: BenchSummary, names: Sequence[str], field: str, what: str, path: Path
+) -> Path:
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    xs = [p.x for p in summary.points]
+    for name in names:
+        for pct, style in (("p50", "-o"), ("p99", "--^")):
+            ys = [_value(summary, name, p.index, field, pct) for p in summary.points]
+            ax.plot(xs, ys, style, color=_color(names, name), label=f"{name} {pct}")
+    ax.set_xlabel(AXIS_NAMES.get(summary.axis, summary.axis))
+    ax.set_ylabel(f"{what} (ms)")
+    ax.set_title(f"{what} p50 (solid) and p99 (dashed)")
+    _log_if_wide(ax, summary, names, field)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    return _save(fig, path)
+
+
+def _value(summary: BenchSummary, name: str, point: int, field: str, pct: str) -> float:
+    stats = summary.stats(name, point)
+    dist = getattr(stats, field) if stats is not None else None
+    return float(getattr(dist, pct)) if dist is not None else float("nan")
+
+
+def _log_if_wide(
+    ax: Any, summary: BenchSummary, names: Sequence[str], field: str
+) -> None:
+    values = [
+        _value(summary, n, p.index, field, pct)
+        for n in names
+        for p in summary.points
+        for pct in ("p50", "p99")
+    ]
+    finite = [v for v in values if v == v and v > 0]
+    if finite and max(finite) / min(finite) > 20:
+        ax.set_yscale("log")
+
+
+def _cdf(
+    summary: BenchSummary,
+    names: Sequence[str],
+    records: Sequence[RequestRecord],
+    path: Path,
+) -> Path:
+    num = max(1, len(summary.points))
+    cols = min(num, 4)
+    rows = -(-num // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False, sharey=True
+    )
+    for slot, info in enumerate(summary.points):
+        ax = axes[slot // cols][slot % cols]
+        for name in names:
+            values = sorted(
+                1000 * t
+                for r in records
+                if r.config == name and r.point == info.index
+                if (t := ttft_s(r)) is not None
+            )
+            if values:
+                ys = [(i + 1) / len(values) for i in range(len(values))]
+                ax.step(values, ys, where="post", color=_color(names, name), label=name)
+        ax.set_title(info.label, fontsize="medium")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+    for slot in range(len(summary.points), rows * cols):
+        axes[slot // cols][slot % cols].set_visible(False)
+    axes[0][0].set_ylabel("fraction of requests")
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize="small")
+    return _save(fig, path)
+
+
+def _timeline(
+    names: Sequence[str],
+    records: Sequence[RequestRecord],
+    timelines: Mapping[str, Mapping[str, Timeline]],
+    num_requests: int,
+    path: Path,
+) -> Path:
+    rows = max(1, len(names))
+    height = 1.2 + (0.25 * max(num_requests, 2) + 0.3) * rows
+    fig, axes = plt.subplots(rows, 1, figsize=(7.0, height), squeeze=False, sharex=True)
+    first_point = min((r.point for r in records), default=0)
+    has_server = False
+    for ax, name in zip([a[0] for a in axes], names, strict=False):
+        sample = sorted(
+            (r for r in records if r.config == name and r.point == first_point),
+            key=lambda r: r.index,
+        )[:num_requests]
+        has_server |= _draw_requests(ax, sample, timelines.get(name, {}))
+        ax.set_ylabel(name, fontsize="small")
+    axes[-1][0].set_xlabel("ms since the request was sent")
+    labels = [("waiting for first token", "tab:gray"), ("decoding", "tab:blue")]
+    labels.append(("failed", "tab:red"))
+    if has_server:
+        labels += list(
+            zip([s[0] for s in _SERVER_SEGMENTS], _server_colors(), strict=False)
+        )
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color) for _, color in labels]
+    axes[0][0].legend(
+        handles, [label for label, _ in labels], fontsize="x-small", ncol=4,
+        loc="lower left", bbox_to_anchor=(0.0, 1.02), frameon=False,
+    )  # fmt: skip
+    return _save(fig, path)
+
+
+def _draw_requests(
+    ax: Any, sample: Sequence[RequestRecord], timelines: Mapping[str, Timeline]
+) -> bool:
+    """Draw one bar per request; True if any server phase was drawn."""
+    has_server = False
+    for row, rec in enumerate(sample):
+        if not rec.is_ok or not rec.token_times_s:
+            ax.barh(row, 1000 * (rec.end_s or 0), color="tab:red")
+            continue
+        first, last = (1000 * t for t in (rec.token_times_s[0], rec.token_times_s[-1]))
+        ax.barh(row, first, color="tab:gray", height=0.6)
+        ax.barh(row, last - first, left=first, color="tab:blue", height=0.6)
+        timeline = timelines.get(rec.bench_id)
+        if timeline:
+            has_server |= _draw_server(ax, row, timeline, rec.sent_wall)
+    ax.set_yticks(range(len(sample)), [r.bench_id for r in sample], fontsize="x-small")
+    ax.invert_yaxis()
+    ax.grid(True, axis="x", alpha=0.3)
+    return has_server
+
+
+def _server_colors() -> list[Any]:
+    return list(plt.get_cmap("Set2").colors)  # type: ignore[attr-defined]
+
+
+def _draw_server(ax: Any, row: int, timeline: Timeline, origin: float) -> bool:
+    """The handover phases as thin bars inside the request's bar."""
+    events = dict(timeline)
+    if "kv_ready" in events and "reg_received" in events:
+        events[MATCHED] = max(events["kv_ready"], events["reg_received"])
+    drawn = False
+    for (_, start, end), color in zip(_SERVER_SEGMENTS, _server_colors(), strict=False):
+        if start in events and end in events:
+            left = 1000 * (events[start] - origin)
+            width = 1000 * (events[end] - events[start])
+            ax.barh(row, width, left=left, height=0.25, color=color)
+            drawn = True
+    return drawn
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path

@@ -1,0 +1,129 @@
+"""The run's summary: typed structs saved as ``summary.json``.
+
+The report and the plots are rendered from this file (plus the raw
+``requests.jsonl``), so ``kvpush bench --render DIR`` can redo them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from kvpush.bench.stats import PointStats
+from kvpush.bench.timeline import HandoverStats
+from kvpush.bench.writes import DescriptorStats
+
+SUMMARY_FILE = "summary.json"
+SUMMARY_VERSION = 1
+Status = Literal["ok", "skipped", "failed"]
+
+
+class InstanceUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """One process group (an instance or the router) over a time window:
+    CPU seconds used, the mean number of cores that is, peak memory."""
+
+    name: str
+    role: str
+    cpu_s: float
+    cpu_cores: float
+    peak_rss_mb: float
+
+
+class WindowLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """Mean cores busy over a time window: the whole machine, the cluster
+    under test, the benchmark process, and everything else (background)."""
+
+    machine_cores: float
+    cluster_cores: float
+    client_cores: float
+    background_cores: float
+
+
+class PointResult(msgspec.Struct, frozen=True, kw_only=True):
+    point: int
+    stats: PointStats
+    handover: HandoverStats | None = None
+    usage: list[InstanceUsage] = msgspec.field(default_factory=list)
+    load: WindowLoad | None = None
+
+
+class WarmupResult(msgspec.Struct, frozen=True, kw_only=True):
+    num_requests: int
+    num_ok: int
+    latencies_ms: list[float]
+
+
+class ConfigResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One configuration's run: ``status`` ok, skipped (unavailable or
+    refused before anything started) or failed (with ``reason``)."""
+
+    name: str
+    status: Status
+    reason: str | None = None
+    points: list[PointResult] = msgspec.field(default_factory=list)
+    usage: list[InstanceUsage] = msgspec.field(default_factory=list)
+    warmup: WarmupResult | None = None
+    load: WindowLoad | None = None
+    run_dir: str | None = None
+    has_timelines: bool = False
+    descriptors: DescriptorStats | None = None  # kvpush: WRITE sizes
+
+    def point(self, index: int) -> PointResult | None:
+        return next((p for p in self.points if p.point == index), None)
+
+
+class PointInfo(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    label: str
+    axis: str
+    x: float
+    arrival: str
+    load: float
+    prompt_len: str
+    num_requests: int
+
+
+class BenchSummary(msgspec.Struct, kw_only=True):
+    version: int = SUMMARY_VERSION
+    command: str
+    started_at: str
+    finished_at: str = ""
+    duration_s: float = 0.0
+    machine: dict[str, Any] = msgspec.field(default_factory=dict)
+    versions: dict[str, str] = msgspec.field(default_factory=dict)
+    settings: dict[str, Any] = msgspec.field(default_factory=dict)
+    points: list[PointInfo] = msgspec.field(default_factory=list)
+    configs: list[ConfigResult] = msgspec.field(default_factory=list)
+
+    def config(self, name: str) -> ConfigResult | None:
+        return next((c for c in self.configs if c.name == name), None)
+
+    def stats(self, name: str, point: int) -> PointStats | None:
+        """One configuration's statistics at one point (None if not run)."""
+        config = self.config(name)
+        result = config.point(point) if config else None
+        return result.stats if result else None
+
+    @property
+    def axis(self) -> str:
+        return self.points[0].axis if self.points else "qps"
+
+
+def save_summary(summary: BenchSummary, out_dir: Path) -> Path:
+    path = out_dir / SUMMARY_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+    tmp.replace(path)
+    return path
+
+
+def load_summary(out_dir: Path) -> BenchSummary:
+    path = out_dir / SUMMARY_FILE
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=BenchSummary)
+    except OSError as e:
+        raise ValueError(f"no benchmark summary at {path}: {e}") from e
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"benchmark summary {path} is unreadable: {e}") from e

@@ -1,0 +1,86 @@
+"""Descriptor counts of the WRITEs a configuration posted.
+
+kvpush's connector marks every WRITE in its trace (``write_posted``, with
+``num_descs``, ``num_runs`` and ``num_blocks``). Coalescing is right when
+each WRITE has exactly one descriptor per maximal run of blocks contiguous
+on both sides, per layer: ``num_descs == num_runs * num_layers``. Pure apart
+from :func:`read_write_sizes`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+
+TRACE_DIR = "traces"
+
+
+class WriteSize(NamedTuple):
+    num_descs: int
+    num_runs: int
+    num_blocks: int
+
+
+class DescriptorStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Over every WRITE of one configuration's run (warm-up included)."""
+
+    num_writes: int
+    blocks_p50: float
+    runs_p50: float
+    runs_max: int
+    descs_p50: float
+    descs_max: int
+    num_layers: int
+    all_one_per_run_and_layer: bool
+
+
+def read_write_sizes(run_dir: Path) -> list[WriteSize]:
+    """The size of every WRITE traced under ``run_dir/traces``."""
+    folder = run_dir / TRACE_DIR
+    sizes = []
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        for line in path.read_text().splitlines():
+            if '"write_posted"' not in line:
+                continue
+            obj = json.loads(line)
+            sizes.append(
+                WriteSize(obj["num_descs"], obj["num_runs"], obj["num_blocks"])
+            )
+    return sizes
+
+
+def summarize_writes(
+    sizes: Sequence[WriteSize], num_layers: int
+) -> DescriptorStats | None:
+    """Statistics of ``sizes``; None when nothing was written."""
+    if not sizes:
+        return None
+    return DescriptorStats(
+        num_writes=len(sizes),
+        blocks_p50=statistics.median(s.num_blocks for s in sizes),
+        runs_p50=statistics.median(s.num_runs for s in sizes),
+        runs_max=max(s.num_runs for s in sizes),
+        descs_p50=statistics.median(s.num_descs for s in sizes),
+        descs_max=max(s.num_descs for s in sizes),
+        num_layers=num_layers,
+        all_one_per_run_and_layer=all(
+            s.num_descs == s.num_runs * num_layers for s in sizes
+        ),
+    )
+
+
+def descriptor_line(name: str, stats: DescriptorStats) -> str:
+    """One markdown paragraph for the report."""
+    verdict = "yes" if stats.all_one_per_run_and_layer else "**no**"
+    return (
+        f"**{name}** posted {stats.num_writes} WRITEs: blocks per WRITE p50 "
+        f"{stats.blocks_p50:g}; contiguous runs per WRITE p50 {stats.runs_p50:g} "
+        f"(max {stats.runs_max}); descriptors per WRITE p50 {stats.descs_p50:g} "
+        f"(max {stats.descs_max}). One descriptor per run and layer "
+        f"({stats.num_layers} layers) on every WRITE: {verdict}."
+    )
