@@ -9,13 +9,12 @@ into a :class:`BenchConfig`, raising ``ValueError`` that says what to change.
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpush.bench.lengths import LengthSpec
+from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
 
 ARRIVALS = ("poisson", "concurrency")
@@ -202,18 +201,9 @@ _STRINGS = ("prompt_len", "output_len")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
-    """Read a JSON or TOML file of BenchConfig fields into a dict."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read bench config {path}: {e}") from e
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"bench config {path} is not valid: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"bench config {path} must hold a table/object of settings")
-    return data
+    """Read a JSON or TOML file of BenchConfig fields into a dict (the keys
+    are checked by :func:`make_config`)."""
+    return read_settings_file(path)
 
 
 def make_config(*layers: dict[str, Any]) -> BenchConfig:

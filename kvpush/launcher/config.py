@@ -7,12 +7,11 @@ the field names below; flags given on the command line win over the file.
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -111,18 +110,7 @@ def _require(ok: bool, message: str) -> None:
 
 def load_config_file(path: Path) -> dict[str, Any]:
     """Read a JSON or TOML config file into a dict of ClusterConfig fields."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read config file {path}: {e}") from e
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(
-            f"config file {path} is not valid {path.suffix[1:] or 'JSON'}: {e}"
-        ) from e
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a table/object of settings")
+    data = read_settings_file(path)
     known = {f.name for f in dataclasses.fields(ClusterConfig)}
     unknown = sorted(set(data) - known)
     if unknown:

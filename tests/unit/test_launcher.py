@@ -1,0 +1,100 @@
+"""The launcher's config, instance plan and process groups (no vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpush.cli import up_config
+from kvpush.launcher import process
+from kvpush.launcher.config import ClusterConfig, load_config_file, make_config
+from kvpush.launcher.instances import kv_transfer_config, plan_instances
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"mode": "magic"}, "mode must be one of"),
+        ({"num_prefill": 0}, "--prefill must be between 1 and 8"),
+        ({"num_decode": 9}, "--decode must be between 1 and 8"),
+        ({"port": 8100}, "collides with an instance port"),
+        ({"base_side_channel_port": 8101}, "ranges overlap"),
+        ({"port": 80}, "within 1024..65535"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"mode": "colocated", "num_prefill": 2}, "colocated mode runs one instance"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s must be positive"),
+    ],
+)
+def test_bad_settings_say_what_to_change(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**fields)
+
+
+def test_each_instance_gets_its_own_ports_core_and_log(tmp_path: Path) -> None:
+    config = ClusterConfig(mode="vllm-push", num_prefill=2, num_decode=1, cores=(0, 1))
+    specs = plan_instances(config, tmp_path)
+    assert [s.name for s in specs] == ["prefill0", "prefill1", "decode0"]
+    assert [s.http_port for s in specs] == [8100, 8101, 8102]
+    assert [s.side_channel_port for s in specs] == [5600, 5601, 5602]
+    assert [s.core for s in specs] == [0, 1, 0]
+    assert len({s.log_path for s in specs}) == 3
+
+
+def test_kv_transfer_config_per_mode(tmp_path: Path) -> None:
+    prefill, decode = plan_instances(ClusterConfig(mode="kvpush"), tmp_path)
+    kv = kv_transfer_config("kvpush", prefill)
+    assert kv is not None
+    assert (kv["kv_connector"], kv["kv_role"], kv["engine_id"]) == (
+        "KvPushConnector", "kv_producer", "prefill0",
+    )  # fmt: skip
+    assert kv["kv_connector_extra_config"]["side_channel_port"] == 5600
+    pull = kv_transfer_config("vllm-pull", decode)
+    assert pull is not None and pull["kv_connector"] == "FairNixlConnector"
+    assert "kv_connector_extra_config" not in pull
+    (colocated,) = plan_instances(ClusterConfig(mode="colocated"), tmp_path)
+    assert kv_transfer_config("colocated", colocated) is None
+
+
+def test_config_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text('mode = "vllm-push"\nport = 9000\nnum_decode = 2\n')
+    args = argparse.Namespace(config=path, mode=None, port=9100, num_prefill=None,
+                              num_decode=None, model=None, host=None,
+                              base_http_port=None, base_side_channel_port=None,
+                              run_dir=None, dtype=None, max_model_len=None,
+                              max_num_batched_tokens=None, kv_cache_space_gb=None,
+                              startup_timeout_s=None)  # fmt: skip
+    config = up_config(args)
+    assert (config.mode, config.port, config.num_decode) == ("vllm-push", 9100, 2)
+
+
+def test_bad_config_files_are_refused(tmp_path: Path) -> None:
+    unknown = tmp_path / "a.json"
+    unknown.write_text(json.dumps({"mode": "vllm-pull", "prefils": 2}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config_file(unknown)
+    broken = tmp_path / "b.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_config_file(broken)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_config_file(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="bad cluster setting"):
+        make_config({"num_prefill": "two"})
+
+
+def test_stop_group_ends_the_process_and_its_children(tmp_path: Path) -> None:
+    # A parent that forks a child, like vLLM's API server and its EngineCore.
+    code = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    pid = process.spawn([sys.executable, "-c", code], {}, tmp_path / "p.log")
+    deadline = time.monotonic() + 10
+    while len(process.group_members(pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(process.group_members(pid)) == 2
+    assert process.stop_group(pid, grace_s=5)
+    assert process.group_members(pid) == []
