@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgspec
 from rich.console import Console
 
 from kvpush import env
@@ -106,7 +107,7 @@ def _start_all(
         "--topology", str(run_dir / TOPOLOGY_FILE),
         "--host", config.host, "--port", str(config.port),
     ]  # fmt: skip
-    pid = process.spawn(router_cmd, instance_env_router(), router_log)
+    pid = process.spawn(router_cmd, _router_env(), router_log)
     records.append(
         ProcessRecord(
             name="router",
@@ -121,18 +122,13 @@ def _start_all(
     return state
 
 
-def instance_env_router() -> dict[str, str]:
+def _router_env() -> dict[str, str]:
     """The router's environment: this process's, unbuffered output."""
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def _with(state: RunState, records: list[ProcessRecord]) -> RunState:
-    return RunState(
-        mode=state.mode,
-        model=state.model,
-        router_url=state.router_url,
-        processes=tuple(records),
-    )
+    return msgspec.structs.replace(state, processes=tuple(records))
 
 
 def _wait_ready(state: RunState, timeout_s: float, console: Console) -> None:

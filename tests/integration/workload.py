@@ -14,7 +14,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
+
 from kvpush import client
+from kvpush.launcher.state import TOPOLOGY_FILE
+from kvpush.router.requests import PushDecodeParams, RemoteDecodeParams
+from kvpush.topology import load_topology
 from kvpush.transfer.messages import DecodeLeg, PrefillLeg
 
 LOGPROB_TOLERANCE = 1e-4
@@ -135,24 +140,20 @@ def kv_cache_usage(instance_url: str) -> float:
     return max(values)
 
 
-def _leg_params(mode: str, peer: Any, request_id: str) -> tuple[Any, Any]:
-    """kv_transfer_params of (prefill leg, decode leg) as the router sends them."""
+def _leg_params(mode: str, cluster: Any, request_id: str) -> tuple[Any, Any]:
+    """kv_transfer_params of (prefill leg, decode leg), built with the
+    router's own parameter types from the cluster's topology."""
+    topology = load_topology(cluster.run_dir / TOPOLOGY_FILE)
+    prefill, decode = topology.prefills[0], topology.decodes[0]
     if mode == "kvpush":
         tid = uuid.uuid4().hex
         return (
-            PrefillLeg(transfer_id=tid, decode_engine_id="decode0").to_dict(),
-            DecodeLeg(transfer_id=tid, prefill_engine_id="prefill0",
-                      prefill_host="127.0.0.1",
-                      prefill_port=peer.side_channel_port).to_dict(),
+            PrefillLeg(transfer_id=tid, decode_engine_id=decode.engine_id),
+            DecodeLeg(transfer_id=tid, prefill_engine_id=prefill.engine_id,
+                      prefill_host=prefill.side_channel_host,
+                      prefill_port=prefill.side_channel_port),
         )  # fmt: skip
-    prefill = {"do_remote_decode": True, "do_remote_prefill": False}
-    decode = {
-        "do_remote_prefill": True, "do_remote_decode": False,
-        "remote_engine_id": "prefill0", "remote_request_id": request_id,
-        "remote_host": "127.0.0.1", "remote_port": peer.side_channel_port,
-        "tp_size": 1,
-    }  # fmt: skip
-    return prefill, decode
+    return RemoteDecodeParams(), PushDecodeParams.for_prefill(prefill, request_id)
 
 
 def send_legs_in_order(
@@ -166,13 +167,16 @@ def send_legs_in_order(
         cluster.instance_url("prefill0"),
         cluster.instance_url("decode0"),
     )
-    peer = next(p for p in cluster.state.processes if p.name == "prefill0")
     request_id = uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
-    prefill_params, decode_params = _leg_params(mode, peer, request_id)
+    prefill_params, decode_params = _leg_params(mode, cluster, request_id)
     prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
-    prefill_body.update(max_tokens=1, stream=False, kv_transfer_params=prefill_params)
-    decode_body = dict(body, kv_transfer_params=decode_params)
+    prefill_body.update(
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params=msgspec.to_builtins(prefill_params),
+    )
+    decode_body = dict(body, kv_transfer_params=msgspec.to_builtins(decode_params))
 
     def send_prefill() -> client.Reply:
         return client.request(prefill_url, path, prefill_body, 180.0, headers)
