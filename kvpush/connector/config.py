@@ -3,16 +3,27 @@
 The launcher sets these through ``kv_connector_extra_config``::
 
     {"side_channel_host": "127.0.0.1", "side_channel_port": 5600,
-     "trace_dir": "RUN_DIR/traces"}
+     "trace_dir": "RUN_DIR/traces",
+     # optional, defaults below:
+     "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
+     "fault_file": ""}
+
+The optional shared secret that authenticates side-channel messages comes
+from the environment (``KVPUSH_SIDE_CHANNEL_SECRET``), never from the command
+line, where other users of the machine could read it.
 """
 
 from __future__ import annotations
 
+import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 ConnectorRole = Literal["prefill", "decode"]
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+SECRET_ENV = "KVPUSH_SIDE_CHANNEL_SECRET"
+_DURATIONS = ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -25,9 +36,15 @@ class ConnectorConfig:
     side_channel_port: int
     block_size: int
     trace_dir: str = ""
+    boot_id: str = "0"  # this start of the instance; shared by its processes
     registration_ttl_s: float = 60.0  # decode keeps destination blocks this long
     ready_ttl_s: float = 30.0  # prefill keeps finished KV this long unmatched
-    hello_timeout_s: float = 10.0
+    # Prefill: a decode silent this long with registered transfers is dead.
+    # Decode: a prefill not connected this long while awaited is dead.
+    peer_timeout_s: float = 10.0
+    heartbeat_s: float = 1.0  # decode's heartbeat period to awaited prefills
+    fault_file: str = ""  # tests only: see kvpush.connector.faults
+    secret: bytes = b""  # side-channel authentication key; empty: off
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -39,6 +56,18 @@ class ConnectorConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {self.block_size}")
+        for name in _DURATIONS:
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ValueError(
+                    f"kv_connector_extra_config.{name} must be in (0, 3600] "
+                    f"seconds, not {value!r}"
+                )
+        if self.registration_ttl_s <= 1.0:
+            raise ValueError(
+                "kv_connector_extra_config.registration_ttl_s must exceed 1 s "
+                "(prefill keeps a 1 s margin for the WRITE itself)"
+            )
 
     @property
     def agent_name(self) -> str:
@@ -56,6 +85,10 @@ class ConnectorConfig:
                 f"kv_consumer (decode), not {kv.kv_role!r}"
             )
         extra = kv.kv_connector_extra_config or {}
+        durations = {k: float(extra[k]) for k in _DURATIONS if k in extra}
+        # vLLM makes instance_id once per start, in the config that both the
+        # scheduler and the worker processes receive: our boot id.
+        boot_id = str(getattr(vllm_config, "instance_id", "") or uuid.uuid4().hex)
         try:
             return cls(
                 role=_ROLES[kv.kv_role],  # type: ignore[arg-type]
@@ -64,6 +97,10 @@ class ConnectorConfig:
                 side_channel_port=int(extra.get("side_channel_port", 0)),
                 block_size=int(vllm_config.cache_config.block_size),
                 trace_dir=str(extra.get("trace_dir", "")),
+                boot_id=boot_id[:64],
+                fault_file=str(extra.get("fault_file", "")),
+                secret=os.environ.get(SECRET_ENV, "").encode(),
+                **durations,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad KvPushConnector config: {e}") from e

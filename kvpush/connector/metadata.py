@@ -44,4 +44,6 @@ class KvPushMetadata(KVConnectorMetadata):
 
     triggers: list[PushTrigger] = field(default_factory=list)
     expects: list[RecvExpect] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)  # transfer ids given up
+    cancels: list[str] = field(default_factory=list)  # prefill: transfer ids given up
+    # decode: transfers whose request vLLM finished while the KV was on the way
+    recv_cancels: list[str] = field(default_factory=list)

@@ -45,8 +45,11 @@ class NixlIO:
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._remotes: set[str] = set()
 
-    def load_peer(self, metadata: bytes) -> str:
+    def load_peer(self, agent_name: str, metadata: bytes) -> str:
         """Load (or reload, after a peer restart) a remote agent's metadata."""
+        if agent_name in self._remotes:
+            self._agent.remove_remote_agent(agent_name)
+            self._remotes.discard(agent_name)
         name: str = self._agent.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()

@@ -12,6 +12,12 @@ by chunk; in the step that computes its last prompt token the worker gets a
 :class:`PushTrigger`, and pushes once that step's forward is done. When the
 request finishes, vLLM keeps its blocks (``request_finished`` returns True)
 until the worker reports the push ended (done, failed or expired).
+
+Decode, abort: a request that vLLM finishes (client abort) while its KV is on
+the way keeps its blocks too: the worker sends prefill a Cancel and reports
+the request once no WRITE can land any more (see
+:mod:`kvpush.connector.receiver`). A request that ends before registering
+only tells prefill not to wait for it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource
 from kvpush.connector.metadata import KvPushMetadata, PushTrigger, RecvExpect
 from kvpush.connector.side_channel import Peers
 from kvpush.connector.trace import Tracer
@@ -51,8 +59,10 @@ class KvPushScheduler:
 
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
-        self._peers = Peers()
+        self._peers = Peers(config.secret)
         self._tracer = Tracer(config.trace_dir, config.engine_id)
+        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self._faults = FaultSource(config.fault_file)
         self._legs: dict[str, PrefillLeg | DecodeLeg | None] = {}
         self._local_hits: dict[str, int] = {}  # decode: req -> cached tokens
         self._registered: set[str] = set()
@@ -120,13 +130,17 @@ class KvPushScheduler:
         reg = Registration(
             transfer_id=leg.transfer_id,
             decode_engine_id=self.config.engine_id,
+            decode_boot_id=self.config.boot_id,
             decode_agent_name=self.config.agent_name,
             dst_block_ids=dst,
             num_tokens=request.num_prompt_tokens,
             ttl_s=self.config.registration_ttl_s,
             first_block=first,
         )
-        self._peers.send(leg.prefill_host, leg.prefill_port, reg)
+        if self._faults.current().drop_registrations:
+            logger.warning("kvpush: FAULT: registration of %s dropped", rid)
+        else:
+            self._peers.send(leg.prefill_host, leg.prefill_port, reg)
         self._tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst),
                           request_id=rid)  # fmt: skip
         self._registered.add(rid)
@@ -149,6 +163,7 @@ class KvPushScheduler:
         self._find_last_chunks(scheduler_output.num_scheduled_tokens)
         self._mark_first_decode_steps(scheduler_output.num_scheduled_tokens)
         meta, self._meta = self._meta, KvPushMetadata()
+        self.counters.maybe_flush()
         return meta
 
     def _track_blocks(self, out: Any) -> None:
@@ -193,21 +208,26 @@ class KvPushScheduler:
             self._tracer.mark(self._awaiting_first_step.pop(rid), "first_decode_step")
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
-        """Keep a prefill request's blocks while its push is under way."""
+        """Keep a request's blocks while a push into or out of them may still
+        be under way."""
         rid = request.request_id
         leg = self._legs.pop(rid, None)
         state = self._prefills.pop(rid, None)
         self._local_hits.pop(rid, None)
         self._awaiting_first_step.pop(rid, None)
         if isinstance(leg, DecodeLeg) and rid not in self._registered:
+            self.counters.add("aborted.before_registration")
             self._give_up(rid, leg, "request finished before registering")
+        self._registered.discard(rid)
         receiving = self._receiving.pop(rid, None)
         if receiving is not None:  # aborted while its KV was on the way
-            self._give_up(rid, receiving, "request aborted while waiting for KV")
-        self._registered.discard(rid)
+            self._meta.recv_cancels.append(receiving.transfer_id)
+            self._held.add(rid)
+            return True, None
         if state is None:
             return False, None
         if not state.triggered:  # aborted before its KV was ready
+            self.counters.add("aborted.before_ready")
             self._meta.cancels.append(state.leg.transfer_id)
             return False, None
         self._held.add(rid)
@@ -225,14 +245,17 @@ class KvPushScheduler:
         self, finished_sending: set[str] | None, finished_recving: set[str] | None
     ) -> None:
         self._held.difference_update(finished_sending or ())
+        self._held.difference_update(finished_recving or ())
         for rid in finished_recving or ():
             self._receiving.pop(rid, None)
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while a push may still end (so that the
-        worker's ``get_finished`` runs and releases the blocks)."""
+        worker's ``get_finished`` runs and releases the blocks; on decode,
+        the blocks of requests aborted while receiving)."""
         return bool(self._held) or any(s.triggered for s in self._prefills.values())
 
     def close(self) -> None:
         self._peers.close()
         self._tracer.close()
+        self.counters.close()

@@ -7,24 +7,63 @@
   replies queued by other threads. It owns the socket; nothing else uses it.
 * :class:`Peers` — DEALER sockets to prefill side channels, one per address,
   created on first use and owned by the single thread that uses them (decode's
-  scheduler for registrations, decode's worker for Hello and replies).
+  scheduler for registrations, decode's worker for Hello and replies). With
+  ``monitor=True`` it also watches each connection (ZMQ socket monitor) and
+  reports when one comes up or goes down: a prefill whose process died is
+  noticed as soon as its kernel closes the TCP connection.
+
+With a shared secret, every message travels as two frames, an HMAC-SHA256
+of the payload and the payload; a message whose MAC does not verify is
+rejected like any malformed one (counted as ``rejected.auth``). The MAC
+authenticates the sender; it does not hide the content or stop replays.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from kvpush.connector.counters import Counters
 from kvpush.transfer.messages import Message, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50  # the listener's wake-up period when idle (not a busy poll)
 SEND_HWM = 10_000  # messages queued per peer before sends fail
+_UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+
+def seal(secret: bytes, data: bytes) -> list[bytes]:
+    """The frames that carry ``data``: itself, or its MAC and itself."""
+    if not secret:
+        return [data]
+    return [hmac.new(secret, data, hashlib.sha256).digest(), data]
+
+
+def unseal(secret: bytes, frames: list[bytes]) -> Message:
+    """The message in ``frames`` (sender route already removed), checked
+    against ``secret``; :class:`ProtocolError` when it is not acceptable."""
+    if not secret:
+        if len(frames) != 1:
+            raise ProtocolError(f"expected 1 frame, got {len(frames)}")
+        return decode(frames[0])
+    if len(frames) != 2:
+        raise ProtocolError(
+            f"expected a MAC and a payload, got {len(frames)} frames", "auth"
+        )
+    mac = hmac.new(secret, frames[1], hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, frames[0]):
+        raise ProtocolError("message authentication failed", "auth")
+    return decode(frames[1])
 
 
 class Listener:
@@ -35,8 +74,15 @@ class Listener:
     """
 
     def __init__(
-        self, host: str, port: int, on_message: Callable[[bytes, Message], None]
+        self,
+        host: str,
+        port: int,
+        on_message: Callable[[bytes, Message], None],
+        counters: Counters | None = None,
+        secret: bytes = b"",
     ) -> None:
+        self._counters = counters
+        self._secret = secret
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -53,7 +99,7 @@ class Listener:
 
     def reply(self, route: bytes, message: Message) -> None:
         """Queue ``message`` to the socket ``route`` (any thread)."""
-        self._outbox.put((route, encode(message)))
+        self._outbox.put((route, encode(message)))  # sealed in the thread
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -70,13 +116,13 @@ class Listener:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                self._reject(f"expected 2 frames, got {len(frames)}")
+            if len(frames) < 2:
+                self._reject(ProtocolError(f"{len(frames)} frame(s), no payload"))
                 continue
             try:
-                message = decode(frames[1])
+                message = unseal(self._secret, frames[1:])
             except ProtocolError as e:
-                self._reject(e.reason)
+                self._reject(e)
                 continue
             try:
                 self._on_message(frames[0], message)
@@ -90,17 +136,29 @@ class Listener:
             except queue.Empty:
                 return
             try:
-                self._sock.send_multipart([route, data], zmq.NOBLOCK)
+                self._sock.send_multipart(
+                    [route, *seal(self._secret, data)], zmq.NOBLOCK
+                )
             except zmq.ZMQError as e:
                 logger.warning("kvpush side channel: reply dropped: %s", e)
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, error: ProtocolError) -> None:
         self.num_rejected += 1
-        logger.warning("kvpush side channel: dropped a message: %s", reason)
+        if self._counters is not None:
+            self._counters.add(f"rejected.{error.kind}")
+        logger.warning("kvpush side channel: dropped a message: %s", error.reason)
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
+
+
+@dataclass(frozen=True)
+class ConnectionEvent:
+    """The connection to the side channel at ``address`` came up or went down."""
+
+    address: tuple[str, int]
+    up: bool
 
 
 class Peers:
@@ -110,9 +168,12 @@ class Peers:
     closed context drops the message with a warning (the peer's deadlines
     cover the loss)."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes = b"", monitor: bool = False) -> None:
+        self._secret = secret
+        self._monitor = monitor
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: dict[tuple[str, int], zmq.Socket[bytes]] = {}
+        self._monitors: dict[tuple[str, int], zmq.Socket[bytes]] = {}
 
     def is_known(self, host: str, port: int) -> bool:
         return (host, port) in self._socks
@@ -124,10 +185,13 @@ class Peers:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            if self._monitor:
+                events = _UP_EVENTS | _DOWN_EVENTS
+                self._monitors[(host, port)] = sock.get_monitor_socket(events)
             sock.connect(f"tcp://{host}:{port}")
             self._socks[(host, port)] = sock
         try:
-            sock.send(encode(message), zmq.NOBLOCK)
+            sock.send_multipart(seal(self._secret, encode(message)), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.warning("kvpush: message to %s:%d dropped: %s", host, port, e)
             return False
@@ -140,16 +204,36 @@ class Peers:
         for sock in self._socks.values():
             while True:
                 try:
-                    data = sock.recv(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 try:
-                    out.append(decode(data))
+                    out.append(unseal(self._secret, frames))
                 except ProtocolError as e:
                     logger.warning("kvpush: dropped a reply: %s", e.reason)
         return out
 
+    def connection_events(self) -> list[ConnectionEvent]:
+        """Connections that came up or went down since the last call, in
+        order (only with ``monitor=True``)."""
+        out: list[ConnectionEvent] = []
+        for address, mon in self._monitors.items():
+            while True:
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] & _UP_EVENTS:
+                    out.append(ConnectionEvent(address, True))
+                elif event["event"] & _DOWN_EVENTS:
+                    out.append(ConnectionEvent(address, False))
+        return out
+
     def close(self) -> None:
-        for sock in self._socks.values():
+        for address, sock in self._socks.items():
+            if address in self._monitors:
+                sock.disable_monitor()
+                self._monitors[address].close(linger=0)
             sock.close(linger=0)
         self._socks.clear()
+        self._monitors.clear()

@@ -5,32 +5,38 @@ Both roles register the KV cache with NIXL (``register_kv_caches``).
 Prefill also binds the side-channel listener and starts the writer thread,
 and hands each finished prompt's KV to the writer right after the forward
 that computed it (``wait_for_save``). Decode says hello to each prefill it
-meets, reads NIXL notifications and prefill's failure messages, and reports
-each receive finished (``get_finished``); blocks of a failed or overdue
-receive are reported as load errors so that vLLM does not use them.
+meets (again after a reconnect), watches those connections, sends
+heartbeats while it waits, reads NIXL notifications and prefill's failure
+messages, and reports each receive finished (``get_finished``) by the rule
+of :mod:`kvpush.connector.receiver`; blocks of a failed receive are reported
+as load errors so that vLLM does not use them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource
 from kvpush.connector.fence import record_fence
-from kvpush.connector.metadata import KvPushMetadata, RecvExpect
+from kvpush.connector.metadata import KvPushMetadata
 from kvpush.connector.nixl_io import NixlIO, memory_type
+from kvpush.connector.receiver import Receiver
 from kvpush.connector.side_channel import Listener, Peers
 from kvpush.connector.trace import Tracer
 from kvpush.connector.writer import Writer
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import (
+    Cancel,
     Done,
     Failure,
+    Heartbeat,
     Hello,
     HelloReply,
     ProtocolError,
@@ -38,8 +44,6 @@ from kvpush.transfer.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-EARLY_DONE_TTL_S = 10.0  # how long a Done waits for the receive it completes
 
 
 def layout_of(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvLayout:
@@ -70,26 +74,24 @@ def layout_of(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvLayout:
     )
 
 
-@dataclass
-class _Expected:
-    expect: RecvExpect
-    deadline: float
-
-
 class KvPushWorker:
     """Owns the worker-side state of one instance."""
 
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
         self._tracer = Tracer(config.trace_dir, config.engine_id)
+        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
         self._io: NixlIO | None = None
         self._device_type = "cpu"
         self._listener: Listener | None = None
         self._writer: Writer | None = None
-        self._peers = Peers()  # decode: sockets to prefills (main thread)
+        # decode: sockets to prefills (main thread), watched for liveness
+        self._peers = Peers(config.secret, monitor=True)
         self._hello: Hello | None = None
-        self._expected: dict[str, _Expected] = {}  # transfer id -> receive
-        self._early_done: dict[str, float] = {}  # Done before its RecvExpect: expiry
+        self._greeted: set[tuple[str, int]] = set()  # Hello sent since (re)connect
+        self._connected: set[tuple[str, int]] = set()
+        self._receiver = Receiver(config.registration_ttl_s, self.counters)
+        self._next_heartbeat = 0.0
         self._triggered: set[str] = set()  # prefill: handed to the writer
         self._finished_reqs: set[str] = set()  # prefill: of those, finished in vLLM
         self._pushed: set[str] = set()  # prefill: push over, not yet reported
@@ -106,6 +108,7 @@ class KvPushWorker:
         if self.config.role == "decode":
             self._hello = Hello(
                 engine_id=self.config.engine_id,
+                boot_id=self.config.boot_id,
                 agent_name=self._io.name,
                 nixl_metadata=self._io.metadata,
                 layout=layout,
@@ -114,12 +117,22 @@ class KvPushWorker:
         matcher = MatcherConfig(
             block_size=self.config.block_size, ready_ttl_s=self.config.ready_ttl_s
         )
-        self._writer = Writer(self._io, self.config.engine_id, matcher,
-                              self._reply, self._tracer)  # fmt: skip
+        self._writer = Writer(
+            self._io,
+            self.config.engine_id,
+            matcher,
+            self._reply,
+            self._tracer,
+            self.counters,
+            self.config.peer_timeout_s,
+            FaultSource(self.config.fault_file),
+        )
         self._listener = Listener(
             self.config.side_channel_host,
             self.config.side_channel_port,
             self._writer.on_message,
+            self.counters,
+            self.config.secret,
         )
 
     def _reply(self, route: bytes, message: Any) -> None:
@@ -131,14 +144,23 @@ class KvPushWorker:
         self._meta = meta
         now = time.monotonic()
         for expect in meta.expects:
-            self._expect(expect, now)
+            self._receiver.expect(expect, now)
+            self._greet((expect.prefill_host, expect.prefill_port))
+        for tid in meta.recv_cancels:
+            aborted = self._receiver.abort(tid)
+            if aborted is not None:  # prefill answers with its final word
+                cancel = Cancel(
+                    transfer_id=tid,
+                    engine_id=self.config.engine_id,
+                    reason="request aborted while its KV was on the way",
+                )
+                self._peers.send(aborted.prefill_host, aborted.prefill_port, cancel)
 
-    def _expect(self, expect: RecvExpect, now: float) -> None:
-        is_new_peer = not self._peers.is_known(expect.prefill_host, expect.prefill_port)
-        if is_new_peer and self._hello is not None:
-            self._peers.send(expect.prefill_host, expect.prefill_port, self._hello)
-        deadline = now + self.config.registration_ttl_s + 5.0
-        self._expected[expect.transfer_id] = _Expected(expect, deadline)
+    def _greet(self, address: tuple[str, int]) -> None:
+        """Say Hello to a prefill once per connection."""
+        if address not in self._greeted and self._hello is not None:
+            self._peers.send(*address, self._hello)
+            self._greeted.add(address)
 
     def wait_for_save(self) -> None:
         """After the forward: push the KV of every prompt finished this step."""
@@ -175,55 +197,62 @@ class KvPushWorker:
         if self._io is None:
             return set()
         now = time.monotonic()
-        for tid in [t for t, expiry in self._early_done.items() if now > expiry]:
-            del self._early_done[tid]  # its receive failed or never came
-        done: set[str] = set(self._early_done)
         for payload in self._io.notifications():
             try:
                 msg = decode(payload)
             except ProtocolError as e:
+                self.counters.add(f"rejected.{e.kind}")
                 logger.warning("kvpush: dropped a notification: %s", e.reason)
                 continue
             if isinstance(msg, Done):
                 self._tracer.mark(msg.transfer_id, "notif_received")
-                done.add(msg.transfer_id)
-        finished = self._finish(done, failed=False)
-        finished |= self._finish(self._failures_and_overdue(), failed=True)
-        return finished
+                self._receiver.done(msg.transfer_id, now)
+        self._read_replies()
+        self._watch_connections()
+        self._receiver.expire(now)
+        self._heartbeat(now)
+        results = self._receiver.take()
+        self._load_errors |= results.load_errors
+        self.counters.maybe_flush()
+        return results.finished
 
-    def _failures_and_overdue(self) -> set[str]:
-        failed = set()
+    def _read_replies(self) -> None:
         for msg in self._peers.receive():
             if isinstance(msg, Failure):
-                failed.add(msg.transfer_id)
+                self._receiver.failed(msg.transfer_id, msg.cause)
             elif isinstance(msg, HelloReply) and not msg.accepted:
                 logger.error(
                     "kvpush: prefill %s refused us: %s", msg.engine_id, msg.reason
                 )
-                failed |= {
-                    tid
-                    for tid, e in self._expected.items()
-                    if e.expect.prefill_engine_id == msg.engine_id
-                }
-        now = time.monotonic()
-        failed |= {tid for tid, e in self._expected.items() if now > e.deadline}
-        return failed
+                self._receiver.peer_refused(msg.engine_id)
 
-    def _finish(self, transfer_ids: set[str], failed: bool) -> set[str]:
-        finished = set()
-        for tid in transfer_ids:
-            entry = self._expected.pop(tid, None)
-            if entry is None:
-                if not failed and tid not in self._early_done:
-                    # Its RecvExpect normally comes with the next step.
-                    self._early_done[tid] = time.monotonic() + EARLY_DONE_TTL_S
+    def _watch_connections(self) -> None:
+        """A prefill whose connection closed is gone (its kernel closed the
+        socket): fail what we wait on from it; greet it again on reconnect."""
+        for event in self._peers.connection_events():
+            if event.up:
+                self._connected.add(event.address)
+                self._greet(event.address)
                 continue
-            self._early_done.pop(tid, None)
-            finished.add(entry.expect.req_id)
-            if failed:
-                logger.warning("kvpush: transfer %s failed; blocks marked invalid", tid)
-                self._load_errors.update(entry.expect.dst_block_ids)
-        return finished
+            if event.address in self._connected:
+                logger.warning("kvpush: lost the prefill at %s:%d", *event.address)
+                self.counters.add("peer_lost")
+                self._connected.discard(event.address)
+            self._greeted.discard(event.address)
+            self._receiver.peer_lost(event.address)
+
+    def _heartbeat(self, now: float) -> None:
+        awaited = self._receiver.awaited()
+        if now < self._next_heartbeat or not awaited:
+            return
+        self._next_heartbeat = now + self.config.heartbeat_s
+        beat = Heartbeat(engine_id=self.config.engine_id, boot_id=self.config.boot_id)
+        for address in awaited:
+            self._peers.send(*address, beat)
+
+    def reserved_blocks(self) -> int:
+        """Decode: destination blocks still reserved for transfers."""
+        return sum(len(h.block_ids) for h in self._receiver.holds())
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -238,3 +267,4 @@ class KvPushWorker:
         if self._io is not None:
             self._io.close()
         self._tracer.close()
+        self.counters.close()

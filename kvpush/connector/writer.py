@@ -7,6 +7,18 @@ thread (Hello, Registration, Cancel from decodes) and the worker's main
 thread (KV ready, request cancelled). The engine loop never waits on it.
 Finished pushes (written, failed or expired: either way prefill's blocks may
 be freed) come out through :meth:`Writer.take_finished`.
+
+Faults it handles (each counted in :class:`~kvpush.connector.counters.Counters`):
+
+* every pending entry has a deadline (the matcher's); a matched transfer is
+  never posted after its registration's deadline;
+* a Cancel from decode is always answered with a Failure once prefill is sure
+  it will not write: at once, or when a WRITE already under way has ended;
+* WRITEs go only to the decode boot that registered the blocks: a Hello with
+  a new boot id (decode restarted) drops every transfer of the old one;
+* a decode silent for ``peer_timeout_s`` while it has transfers here is dead:
+  its transfers are dropped and our blocks freed;
+* a registration whose blocks lie outside decode's cache is refused.
 """
 
 from __future__ import annotations
@@ -16,9 +28,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource
 from kvpush.connector.fence import ReadyFence
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.trace import Tracer
@@ -38,6 +52,7 @@ from kvpush.transfer.messages import (
     Done,
     Failure,
     FailureCause,
+    Heartbeat,
     Hello,
     HelloReply,
     Message,
@@ -58,6 +73,8 @@ class _Peer:
     agent_name: str
     layout: KvLayout
     route: bytes  # the decode worker's side-channel socket, for replies
+    boot_id: str
+    metadata: bytes
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,7 @@ class _InFlight:
     handle: Any
     req_id: str
     engine_id: str
+    cancel_route: bytes | None = None  # decode cancelled: answer when over
 
 
 class Writer:
@@ -84,6 +102,9 @@ class Writer:
         matcher_config: MatcherConfig,
         reply: Callable[[bytes, Message], None],
         tracer: Tracer,
+        counters: Counters | None = None,
+        peer_timeout_s: float = 10.0,
+        faults: FaultSource | None = None,
     ) -> None:
         self._io, self._engine_id, self._reply, self._tracer = (
             io,
@@ -91,6 +112,13 @@ class Writer:
             reply,
             tracer,
         )
+        self._counters = counters or Counters("", engine_id, "prefill")
+        self._peer_timeout_s = peer_timeout_s
+        self._faults = faults or FaultSource("")
+        self._last_seen: dict[str, float] = {}  # decode engine -> last message
+        self._later: list[
+            tuple[float, str, Any]
+        ] = []  # fault delays: (due, kind, item)
         self._matcher = Matcher(matcher_config)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -148,15 +176,18 @@ class Writer:
             now = time.monotonic()
             try:
                 self._handle(kind, item, now)
+                self._run_due(now)
                 self._poll_inflight()
                 self._expire(now)
+                self._counters.maybe_flush()
             except Exception:  # the writer must outlive any single failure
                 logger.exception("kvpush writer: unexpected error")
 
     def _wait_s(self) -> float:
         if self._inflight:
             return INFLIGHT_POLL_S
-        deadline = self._matcher.next_deadline()
+        deadlines = [self._matcher.next_deadline()] + [due for due, _, _ in self._later]
+        deadline = min((d for d in deadlines if d is not None), default=None)
         if deadline is None:
             return IDLE_WAIT_S
         return min(IDLE_WAIT_S, max(0.0, deadline - time.monotonic()))
@@ -165,39 +196,90 @@ class Writer:
         if kind == "ready":
             self._req_of[item.ready.transfer_id] = item.req_id
             self._fences[item.ready.transfer_id] = item.fence
-            result = self._matcher.add_ready(item.ready, now)
-            self._apply(result, item.req_id, item.ready.decode_engine_id, now)
+            delay = self._faults.current().delay_ready_s
+            if delay > 0:
+                self._later.append((now + delay, "ready", item))
+            else:
+                self._add_ready(item, now)
         elif kind == "cancel":
+            self._counters.add("cancelled.by_prefill")
             self._drop_all(self._matcher.cancel(item, "prefill cancelled", now))
         elif kind == "message":
             self._on_message(item[0], item[1], now)
 
+    def _add_ready(self, item: _Ready, now: float) -> None:
+        result = self._matcher.add_ready(item.ready, now)
+        self._apply(result, item.req_id, item.ready.decode_engine_id, now)
+
+    def _run_due(self, now: float) -> None:
+        due = [entry for entry in self._later if entry[0] <= now]
+        self._later = [entry for entry in self._later if entry[0] > now]
+        for _, kind, item in due:
+            if kind == "ready":
+                self._add_ready(item, now)
+            else:
+                self._post(item, now, delayed=True)
+
     def _on_message(self, route: bytes, message: Message, now: float) -> None:
+        if isinstance(message, Hello | Heartbeat | Cancel):
+            self._last_seen[message.engine_id] = now
         if isinstance(message, Hello):
             self._hello(route, message, now)
+        elif isinstance(message, Heartbeat):
+            pass
         elif isinstance(message, Registration):
+            self._last_seen[message.decode_engine_id] = now
             result = self._matcher.add_registration(message, now)
             self._apply(result, None, message.decode_engine_id, now)
         elif isinstance(message, Cancel):
-            self._drop_all(
-                self._matcher.cancel(message.transfer_id, message.reason, now)
-            )
+            self._cancel(route, message, now)
         else:
+            self._counters.add("rejected.unexpected")
             logger.warning("kvpush writer: unexpected %s", type(message).__name__)
 
+    def _cancel(self, route: bytes, cancel: Cancel, now: float) -> None:
+        """Decode gave the transfer up: stop it wherever it is, and answer
+        with a Failure once no WRITE of it can land any more."""
+        tid = cancel.transfer_id
+        self._counters.add("cancelled.by_decode")
+        flight = self._inflight.get(tid)
+        if flight is not None:  # answered when the WRITE ends
+            flight.cancel_route = route
+            return
+        held = [m for m in self._waiting_for_peer if m.transfer_id == tid]
+        held += [i for _, k, i in self._later if k == "post" and i.transfer_id == tid]
+        if held:
+            self._waiting_for_peer = [
+                m for m in self._waiting_for_peer if m not in held
+            ]
+            self._later = [e for e in self._later if e[2] not in held]
+            self._release(tid)
+        else:
+            self._drop_all(self._matcher.cancel(tid, cancel.reason, now), quiet=True)
+        self._answer(route, tid, "cancelled", f"cancelled by decode: {cancel.reason}")
+
     def _hello(self, route: bytes, hello: Hello, now: float) -> None:
+        known = self._peers.get(hello.engine_id)
+        if known is not None and known.boot_id != hello.boot_id:
+            self._forget(hello.engine_id, "decode restarted", now, hello.boot_id)
+            known = None
         problem = compat_problem(self._io.layout, hello.layout)
-        if problem is None:
+        if problem is None and (known is None or known.metadata != hello.nixl_metadata):
             try:
-                agent = self._io.load_peer(hello.nixl_metadata)
-                self._peers[hello.engine_id] = _Peer(agent, hello.layout, route)
+                agent = self._io.load_peer(hello.agent_name, hello.nixl_metadata)
+                self._peers[hello.engine_id] = _Peer(
+                    agent, hello.layout, route, hello.boot_id, hello.nixl_metadata
+                )
             except Exception as e:  # bad metadata is the peer's problem
                 problem = f"cannot load NIXL metadata: {e}"
+        elif problem is None and known is not None:  # same decode, new socket
+            self._peers[hello.engine_id] = replace(known, route=route)
         reply = HelloReply(
             engine_id=self._engine_id, accepted=problem is None, reason=problem or ""
         )
         self._reply(route, reply)
         if problem is not None:
+            self._counters.add("rejected.incompatible")
             logger.warning("kvpush: refused decode %s: %s", hello.engine_id, problem)
             return
         waiting, self._waiting_for_peer = self._waiting_for_peer, []
@@ -211,6 +293,7 @@ class Writer:
         if isinstance(result, Matched):
             self._post(result, now)
         elif isinstance(result, Rejected):
+            self._counters.add(f"rejected.{result.code}")
             logger.warning(
                 "kvpush: transfer %s rejected: %s", result.transfer_id, result.reason
             )
@@ -219,30 +302,50 @@ class Writer:
             self._drop_all(result.dropped)
             if req_id is not None:  # the matcher did not take our KV
                 self._release(result.transfer_id)
-            self._fail(result.transfer_id, engine, "rejected", result.reason)
+            if result.code != "closed" or req_id is None:
+                # (KV arriving for a closed transfer: decode was told then)
+                self._fail(result.transfer_id, engine, "rejected", result.reason)
 
-    def _post(self, m: Matched, now: float) -> None:
-        engine = m.registration.decode_engine_id
+    def _post(self, m: Matched, now: float, delayed: bool = False) -> None:
+        engine, reg = m.registration.decode_engine_id, m.registration
         peer = self._peers.get(engine)
-        if peer is None:
-            self._waiting_for_peer.append(m)
+        if peer is None or peer.boot_id != reg.decode_boot_id:
+            self._waiting_for_peer.append(m)  # until that decode boot says hello
             return
         if now > m.post_deadline:
+            self._counters.add("expired.matched")
             self._end(m.transfer_id, engine, "expired", "matched after its deadline")
+            return
+        if max(m.dst_block_ids) >= peer.layout.num_blocks:
+            self._counters.add("rejected.out_of_range")
+            self._end(
+                m.transfer_id,
+                engine,
+                "rejected",
+                f"destination blocks beyond decode's {peer.layout.num_blocks}",
+            )
+            return
+        delay = self._faults.current().delay_post_s
+        if delay > 0 and not delayed:
+            self._later.append((now + delay, "post", m))
             return
         fence = self._fences.pop(m.transfer_id, None)
         if fence is not None and not fence.wait(FENCE_TIMEOUT_S):
             self._end(m.transfer_id, engine, "write_failed", "KV never became ready")
             return
-        (item,) = split_whole(m.transfer_id, m.src_block_ids, m.dst_block_ids,
-                              self._io.layout.num_layers)  # fmt: skip
+        (item,) = split_whole(
+            m.transfer_id, m.src_block_ids, m.dst_block_ids, self._io.layout.num_layers
+        )
         self._post_item(item, peer, engine)
 
     def _post_item(self, item: WorkItem, peer: _Peer, engine: str) -> None:
         """One WRITE for one work item (a block range x a layer range);
         the transfer's last item carries the Done notification."""
-        done = Done(transfer_id=item.transfer_id, engine_id=self._engine_id,
-                    num_blocks=item.num_blocks)  # fmt: skip
+        done = Done(
+            transfer_id=item.transfer_id,
+            engine_id=self._engine_id,
+            num_blocks=item.num_blocks,
+        )
         notif = encode(done) if item.notify else b""
         try:  # a block outside either cache makes descriptors() raise
             block_runs = runs(item.src_block_ids, item.dst_block_ids)
@@ -255,8 +358,9 @@ class Writer:
         req_id = self._req_of.get(item.transfer_id, "")
         self._inflight[item.transfer_id] = _InFlight(handle, req_id, engine)
         sizes = {"num_descs": len(src), "num_runs": len(block_runs)}
-        self._tracer.mark(item.transfer_id, "write_posted", **sizes,
-                          num_blocks=item.num_blocks)  # fmt: skip
+        self._tracer.mark(
+            item.transfer_id, "write_posted", **sizes, num_blocks=item.num_blocks
+        )
 
     def _poll_inflight(self) -> None:
         for tid, flight in list(self._inflight.items()):
@@ -267,30 +371,106 @@ class Writer:
             if state == "DONE":
                 self._tracer.mark(tid, "write_done")
                 self._release(tid)
+                if flight.cancel_route is not None:
+                    self._answer(
+                        flight.cancel_route,
+                        tid,
+                        "cancelled",
+                        "cancelled after the WRITE was posted; it completed",
+                    )
             else:
-                self._end(tid, flight.engine_id, "write_failed", f"NIXL state {state}")
+                self._end(
+                    tid,
+                    flight.engine_id,
+                    "write_failed",
+                    f"NIXL state {state}",
+                    flight.cancel_route,
+                )
 
     def _expire(self, now: float) -> None:
         self._drop_all(self._matcher.expire(now))
         for m in [m for m in self._waiting_for_peer if now > m.post_deadline]:
             self._waiting_for_peer.remove(m)
-            self._end(m.transfer_id, m.registration.decode_engine_id, "expired",
-                      "decode never said hello")  # fmt: skip
+            self._counters.add("expired.no_hello")
+            self._end(
+                m.transfer_id,
+                m.registration.decode_engine_id,
+                "expired",
+                "decode never said hello",
+            )
+        for engine in self._silent_decodes(now):
+            self._forget(engine, f"no message for {self._peer_timeout_s:.0f} s", now)
 
-    def _drop_all(self, dropped: tuple[Dropped, ...] | list[Dropped]) -> None:
+    def _silent_decodes(self, now: float) -> set[str]:
+        """Decodes with transfers here that have not been heard from for the
+        peer timeout (they send a heartbeat every second while waiting)."""
+        engines = self._matcher.engines_with_registrations()
+        engines |= {m.registration.decode_engine_id for m in self._waiting_for_peer}
+        return {
+            e
+            for e in engines
+            if now - self._last_seen.get(e, now) > self._peer_timeout_s
+        }
+
+    def _forget(
+        self, engine: str, why: str, now: float, new_boot: str | None = None
+    ) -> None:
+        """Decode ``engine`` is dead (``new_boot`` None: drop all its
+        transfers) or restarted as ``new_boot`` (drop those registered by
+        other boots). Either way no WRITE goes to the old boot any more."""
+        logger.warning("kvpush: dropping decode %s: %s", engine, why)
+        self._counters.add("peer_lost")
+        if new_boot is None:
+            gone = set(self._matcher.ids_for_engine(engine))
+        else:
+            gone = {r.transfer_id for r in self._matcher.registrations_of(engine)
+                    if r.decode_boot_id != new_boot}  # fmt: skip
+        for tid in gone:
+            self._drop_all(self._matcher.cancel(tid, why, now), quiet=True)
+
+        def stale(m: Matched) -> bool:
+            reg = m.registration
+            return reg.decode_engine_id == engine and reg.decode_boot_id != new_boot
+
+        dropped = [m for m in self._waiting_for_peer if stale(m)]
+        dropped += [i for _, k, i in self._later if k == "post" and stale(i)]
+        for m in dropped:
+            self._release(m.transfer_id)
+        self._waiting_for_peer = [m for m in self._waiting_for_peer if not stale(m)]
+        self._later = [e for e in self._later if e[2] not in dropped]
+        self._peers.pop(engine, None)
+        if new_boot is None:
+            self._last_seen.pop(engine, None)
+
+    def _drop_all(
+        self, dropped: tuple[Dropped, ...] | list[Dropped], quiet: bool = False
+    ) -> None:
+        """Free what the matcher let go; tell decode unless ``quiet`` (the
+        caller answers decode itself, or decode is gone)."""
         for d in dropped:
             if d.ready is not None:
                 self._release(d.transfer_id)
-            if d.registration is not None:
-                cause: FailureCause = "expired" if "expire" in d.reason else "cancelled"
-                self._fail(
-                    d.transfer_id, d.registration.decode_engine_id, cause, d.reason
-                )
+            expired = "expire" in d.reason
+            if expired:
+                self._counters.add(f"expired.{d.side}")
+            if quiet or (d.registration is None and not expired):
+                continue
+            # An expired ready KV tells decode too: its registration was lost,
+            # and decode should not wait out its own deadline.
+            cause: FailureCause = "expired" if expired else "cancelled"
+            self._fail(d.transfer_id, d.notify_engine_id, cause, d.reason)
 
-    def _end(self, tid: str, engine: str, cause: FailureCause, detail: str) -> None:
+    def _end(
+        self,
+        tid: str,
+        engine: str,
+        cause: FailureCause,
+        detail: str,
+        route: bytes | None = None,
+    ) -> None:
         """A matched transfer will not complete: free our blocks, tell decode."""
         self._release(tid)
-        self._fail(tid, engine, cause, detail)
+        self._fail(tid, engine, cause, detail, route)
 
     def _release(self, tid: str) -> None:
         self._fences.pop(tid, None)
@@ -299,11 +479,33 @@ class Writer:
             self._finished.put(req_id)
 
     def _fail(
-        self, tid: str, engine: str | None, cause: FailureCause, detail: str
+        self,
+        tid: str,
+        engine: str | None,
+        cause: FailureCause,
+        detail: str,
+        route: bytes | None = None,
     ) -> None:
+        """Tell decode (on ``route``, else its Hello's socket) that prefill will
+        not write transfer ``tid``."""
         logger.warning("kvpush: transfer %s failed (%s): %s", tid, cause, detail)
+        self._counters.add(f"failed.{cause}")
         peer = self._peers.get(engine) if engine else None
-        if peer is not None:
-            failure = Failure(transfer_id=tid, engine_id=self._engine_id, cause=cause,
-                              detail=detail[:1000])  # fmt: skip
-            self._reply(peer.route, failure)
+        route = route or (peer.route if peer is not None else None)
+        if route is not None:
+            self._send_failure(route, tid, cause, detail)
+
+    def _answer(self, route: bytes, tid: str, cause: FailureCause, detail: str) -> None:
+        """Prefill's final word on a cancelled transfer: it will not write."""
+        self._send_failure(route, tid, cause, detail)
+
+    def _send_failure(
+        self, route: bytes, tid: str, cause: FailureCause, detail: str
+    ) -> None:
+        failure = Failure(
+            transfer_id=tid,
+            engine_id=self._engine_id,
+            cause=cause,
+            detail=detail[:1000],
+        )
+        self._reply(route, failure)

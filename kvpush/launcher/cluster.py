@@ -102,12 +102,7 @@ def _start_all(
         state = _with(state, records)
         save_state(state, run_dir)
     router_log = run_dir / "router.log"
-    router_cmd = [
-        sys.executable, "-m", "kvpush", "router",
-        "--topology", str(run_dir / TOPOLOGY_FILE),
-        "--host", config.host, "--port", str(config.port),
-    ]  # fmt: skip
-    pid = process.spawn(router_cmd, _router_env(), router_log)
+    pid = process.spawn(router_command(config, run_dir), _router_env(), router_log)
     records.append(
         ProcessRecord(
             name="router",
@@ -120,6 +115,27 @@ def _start_all(
     state = _with(state, records)
     save_state(state, run_dir)
     return state
+
+
+def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
+    """The router's command line. In kvpush mode it also sums the connector's
+    counter files, written to the instances' trace dir (``RUN_DIR/traces``,
+    see ``instances.kv_transfer_config``), into its ``/metrics``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpush",
+        "router",
+        "--topology",
+        str(run_dir / TOPOLOGY_FILE),
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+    ]
+    if config.mode == "kvpush":
+        cmd += ["--connector-stats-dir", str(run_dir / "traces")]
+    return cmd
 
 
 def _router_env() -> dict[str, str]:
@@ -265,3 +281,33 @@ def status(run_dir: Path) -> dict[str, object] | None:
             for p in state.processes
         ],
     }
+
+
+def restart(
+    config: ClusterConfig, name: str, console: Console | None = None
+) -> RunState:
+    """Start instance ``name`` of the running cluster again (stopping it
+    first if it still runs), with the command it was started with, and wait
+    until it serves. For fault tests and operators replacing a dead one."""
+    console = console or Console(stderr=True)
+    run_dir = run_dir_of(config)
+    state = load_state(run_dir)
+    if state is None:
+        raise ValueError(f"no cluster runs from {run_dir}")
+    specs = {s.name: s for s in plan_instances(config, run_dir)}
+    old = next((p for p in state.processes if p.name == name), None)
+    if old is None or name not in specs:
+        raise ValueError(f"{name!r} is not an instance of the cluster in {run_dir}")
+    if not process.stop_group(old.pid):
+        raise RuntimeError(f"could not stop {name} (pid {old.pid})")
+    spec = specs[name]
+    cmd = instance_command(config, spec, Path(state.model))
+    pid = process.spawn(
+        cmd, instance_env(config, spec), spec.log_path, frozenset({spec.core})
+    )
+    new = msgspec.structs.replace(old, pid=pid)
+    records = [new if p.name == name else p for p in state.processes]
+    state = _with(state, records)
+    save_state(state, run_dir)
+    _wait_ready(_with(state, [new]), config.startup_timeout_s, console)
+    return state

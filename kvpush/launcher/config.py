@@ -15,6 +15,7 @@ from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
+FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
 
 
@@ -27,6 +28,14 @@ class ClusterConfig:
     ``base_http_port + i`` and for NIXL's side channel on
     ``base_side_channel_port + i``; it is pinned to ``cores[i % len(cores)]``
     (all cores this process may use when ``cores`` is empty).
+
+    ``kv_load_failure_policy`` (P/D modes): what decode does when KV does not
+    arrive: ``recompute`` the prompt locally (default) or fail the request
+    with an ``error``. ``registration_ttl_s``, ``ready_ttl_s`` and
+    ``peer_timeout_s`` (kvpush mode; None: the connector's defaults of 60,
+    30 and 10 s) are the deadlines of :mod:`kvpush.connector.config`.
+    ``fault_injection`` gives kvpush's connectors the fault file
+    ``RUN_DIR/faults.json`` (tests only; see :mod:`kvpush.connector.faults`).
     """
 
     mode: str = "vllm-pull"
@@ -45,6 +54,11 @@ class ClusterConfig:
     cores: tuple[int, ...] = ()
     startup_timeout_s: float = 300.0
     extra_vllm_args: tuple[str, ...] = ()
+    kv_load_failure_policy: str = "recompute"
+    registration_ttl_s: float | None = None
+    ready_ttl_s: float | None = None
+    peer_timeout_s: float | None = None
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,6 +79,17 @@ class ClusterConfig:
         _require(self.kv_cache_space_gb >= 1, "kv_cache_space_gb must be at least 1")
         _require(self.startup_timeout_s > 0, "startup_timeout_s must be positive")
         _require(all(c >= 0 for c in self.cores), "cores must be CPU numbers >= 0")
+        _require(
+            self.kv_load_failure_policy in FAILURE_POLICIES,
+            "kv_load_failure_policy must be recompute or error, "
+            f"not {self.kv_load_failure_policy!r}",
+        )
+        for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
+            value = getattr(self, name)
+            _require(
+                value is None or 0 < value <= 3600,
+                f"{name} must be in (0, 3600] seconds, not {value!r}",
+            )
 
     def _check_counts(self) -> None:
         if self.mode == "colocated":

@@ -79,29 +79,44 @@ def plan_instances(config: ClusterConfig, run_dir: Path) -> list[InstanceSpec]:
     ]
 
 
-def kv_transfer_config(mode: str, spec: InstanceSpec) -> dict[str, Any] | None:
+FAULT_FILE = "faults.json"  # in the run dir, with fault_injection
+_VLLM_POLICY = {"recompute": "recompute", "error": "fail"}
+
+
+def kv_transfer_config(
+    config: ClusterConfig, spec: InstanceSpec
+) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of an instance, None when colocated.
-    kvpush's connector also gets its side channel and a trace directory
-    (``RUN_DIR/traces``) for per-transfer timelines."""
+    kvpush's connector also gets its side channel, a trace directory
+    (``RUN_DIR/traces``) for per-transfer timelines and counters, any
+    deadlines set in the config, and the fault file when asked for."""
     if spec.role == "colocated":
         return None
-    if mode not in _CONNECTORS:
-        raise ValueError(f"mode {mode!r} has no connector available yet")
-    connector, module = _CONNECTORS[mode]
-    config: dict[str, Any] = {
+    if config.mode not in _CONNECTORS:
+        raise ValueError(f"mode {config.mode!r} has no connector available yet")
+    connector, module = _CONNECTORS[config.mode]
+    kv: dict[str, Any] = {
         "kv_connector": connector,
         "kv_connector_module_path": module,
         "kv_role": _KV_ROLES[spec.role],
         "kv_buffer_device": "cpu",
         "engine_id": spec.name,
+        "kv_load_failure_policy": _VLLM_POLICY[config.kv_load_failure_policy],
     }
-    if mode == "kvpush":
-        config["kv_connector_extra_config"] = {
+    if config.mode == "kvpush":
+        run_dir = spec.log_path.parent
+        extra: dict[str, Any] = {
             "side_channel_host": spec.host,
             "side_channel_port": spec.side_channel_port,
-            "trace_dir": str(spec.log_path.parent / "traces"),
+            "trace_dir": str(run_dir / "traces"),
         }
-    return config
+        for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
+            if getattr(config, name) is not None:
+                extra[name] = getattr(config, name)
+        if config.fault_injection:
+            extra["fault_file"] = str(run_dir / FAULT_FILE)
+        kv["kv_connector_extra_config"] = extra
+    return kv
 
 
 def instance_command(
@@ -121,7 +136,7 @@ def instance_command(
     ]  # fmt: skip
     if config.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
-    kv_config = kv_transfer_config(config.mode, spec)
+    kv_config = kv_transfer_config(config, spec)
     if kv_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_config)]
     return cmd + list(config.extra_vllm_args)

@@ -235,6 +235,36 @@ class Matcher:
         deadlines += [h.deadline for h in self._ready.values()]
         return min(deadlines, default=None)
 
+    def engines_with_registrations(self) -> set[str]:
+        """Decode engines that have registrations pending here."""
+        return {
+            h.registration.decode_engine_id
+            for h in self._registrations.values()
+            if h.registration is not None
+        }
+
+    def registrations_of(self, engine_id: str) -> list[Registration]:
+        """Pending registrations from decode ``engine_id``."""
+        return [
+            h.registration
+            for h in self._registrations.values()
+            if h.registration and h.registration.decode_engine_id == engine_id
+        ]
+
+    def ids_for_engine(self, engine_id: str) -> list[str]:
+        """Transfer ids pending here for decode ``engine_id`` (either side)."""
+        regs = [
+            t
+            for t, h in self._registrations.items()
+            if h.registration and h.registration.decode_engine_id == engine_id
+        ]
+        ready = [
+            t
+            for t, h in self._ready.items()
+            if h.ready and h.ready.decode_engine_id == engine_id
+        ]
+        return regs + ready
+
     def was_matched(self, transfer_id: str) -> bool:
         return self._tombs.get(transfer_id, ("closed", 0.0))[0] == "matched"
 

@@ -5,10 +5,13 @@ Two channels carry these messages, both through :func:`encode` and
 
 * the **side channel** (a socket the prefill worker listens on; its host and
   port reach decode in :class:`DecodeLeg`): decode sends :class:`Hello` once
-  per prefill peer, then a :class:`Registration` per transfer and
-  :class:`Cancel` when it gives one up; prefill answers a Hello with
-  :class:`HelloReply` and tells decode about transfers it will not complete
-  with :class:`Failure`;
+  per prefill peer (again after the connection was lost), then a
+  :class:`Registration` per transfer, :class:`Cancel` when it gives one up,
+  and a :class:`Heartbeat` every second while it waits on that prefill;
+  prefill answers a Hello with :class:`HelloReply`, tells decode about
+  transfers it will not complete with :class:`Failure`, and answers every
+  Cancel of a registered transfer with a ``Failure`` once it is sure it will
+  not write (after an in-flight WRITE has ended);
 * the **NIXL notification** posted with the last WRITE of a transfer carries a
   :class:`Done`, so decode learns the data landed with no extra message.
 
@@ -33,7 +36,7 @@ import msgspec
 
 from kvpush.transfer.layout import KvLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
@@ -49,8 +52,16 @@ BlockIds = Annotated[
     msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
 ]
 FailureCause = Literal[
-    "expired", "cancelled", "rejected", "write_failed", "incompatible", "shutdown"
+    "expired",
+    "cancelled",
+    "rejected",
+    "write_failed",
+    "incompatible",
+    "shutdown",
+    "peer_lost",
 ]
+# Why a received message was dropped (the ``kind`` of a ProtocolError).
+RejectKind = Literal["oversize", "version", "unknown_type", "malformed", "auth"]
 
 
 class ProtocolError(Exception):
@@ -59,18 +70,23 @@ class ProtocolError(Exception):
     Raised by :func:`encode` and :func:`decode` only. The receiver drops the
     message (and may log the reason); its own state is unchanged."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, kind: RejectKind = "malformed") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.kind: RejectKind = kind
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     """Decode → prefill, once per peer before its first Registration: who
     decode is, the NIXL agent metadata prefill loads to write into decode's
     memory, and decode's KV layout (prefill checks it with
-    :func:`~kvpush.transfer.layout.compat_problem`)."""
+    :func:`~kvpush.transfer.layout.compat_problem`). ``boot_id`` names this
+    start of the decode instance (the same in its scheduler and worker): a
+    Hello with a new boot id means decode restarted, and prefill drops every
+    registration of the old boot instead of writing into reused memory."""
 
     engine_id: Name
+    boot_id: Name
     agent_name: Name
     nixl_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA_BYTES)]
     layout: KvLayout
@@ -96,10 +112,13 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     ``ttl_s`` is how long decode keeps the blocks reserved, counted from
     sending; relative because the two clocks are not synchronised. Decode owns
     the destination blocks throughout; it frees them on Done, Failure, or
-    when its own deadline passes."""
+    when its own deadline passes. ``decode_boot_id`` is the boot id of the
+    decode that owns the blocks: prefill writes only after a Hello with that
+    same boot id (the epoch fence against writing into a restarted decode)."""
 
     transfer_id: TransferId
     decode_engine_id: Name
+    decode_boot_id: Name
     decode_agent_name: Name
     dst_block_ids: Annotated[BlockIds, msgspec.Meta(min_length=1)]
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]
@@ -112,8 +131,10 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
-    """Decode → prefill: decode gave the transfer up (request aborted, or its
-    deadline passed) and is freeing the destination blocks; do not write."""
+    """Decode → prefill: decode gave the transfer up (request aborted, or
+    finished before registering); do not write. Decode keeps registered
+    destination blocks until prefill's answer (a :class:`Failure`, or the
+    Done of a WRITE already under way) or the registration's deadline."""
 
     transfer_id: TransferId
     engine_id: Name
@@ -130,6 +151,15 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     detail: Text = ""
 
 
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """Decode → prefill, about once a second while decode waits on transfers
+    from that prefill: decode is alive. A prefill that hears nothing from a
+    decode with registered transfers for its peer timeout drops them."""
+
+    engine_id: Name
+    boot_id: Name
+
+
 class Done(msgspec.Struct, frozen=True, tag="done"):
     """Prefill → decode, as the NIXL notification of a transfer's last WRITE:
     all ``num_blocks`` registered blocks hold the prompt's KV."""
@@ -139,13 +169,14 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
 
 
-Message = Hello | HelloReply | Registration | Cancel | Failure | Done
+Message = Hello | HelloReply | Registration | Cancel | Failure | Heartbeat | Done
 MESSAGE_TYPES: tuple[type, ...] = (
     Hello,
     HelloReply,
     Registration,
     Cancel,
     Failure,
+    Heartbeat,
     Done,
 )
 _TAGS = frozenset(
@@ -183,18 +214,20 @@ def decode(data: bytes) -> Message:
     """Parse one message received from a peer, or raise :class:`ProtocolError`."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(
-            f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"
+            f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}",
+            "oversize",
         )
     envelope = _decode_part(_ENVELOPE_DECODER, data, "envelope")
     if envelope.version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {envelope.version} is not supported "
-            f"(this side speaks {PROTOCOL_VERSION})"
+            f"(this side speaks {PROTOCOL_VERSION})",
+            "version",
         )
     body = bytes(envelope.body)
     tag = _decode_part(_TAG_DECODER, body, "message header").type
     if tag not in _TAGS:
-        raise ProtocolError(f"unknown message type {tag[:64]!r}")
+        raise ProtocolError(f"unknown message type {tag[:64]!r}", "unknown_type")
     return _decode_part(_BODY_DECODER, body, f"{tag} message")  # type: ignore[no-any-return]
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.connector.side_channel import ConnectionEvent
 from kvpush.transfer.coalesce import Desc
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.messages import Message, decode
@@ -112,7 +113,7 @@ class FakeNixlIO:
 
     # -- the NixlIO surface --------------------------------------------------
 
-    def load_peer(self, metadata: bytes) -> str:
+    def load_peer(self, agent_name: str, metadata: bytes) -> str:
         if not metadata.startswith(_METADATA_PREFIX):
             raise ValueError("not fake NIXL agent metadata")
         name = metadata.removeprefix(_METADATA_PREFIX).decode()
@@ -172,6 +173,7 @@ class FakePeers:
     def __init__(self) -> None:
         self.sent: list[tuple[str, int, Message]] = []
         self._replies: list[Message] = []
+        self._events: list[ConnectionEvent] = []
         self.closed = False
 
     def is_known(self, host: str, port: int) -> bool:
@@ -184,6 +186,15 @@ class FakePeers:
     def receive(self) -> list[Message]:
         out, self._replies = self._replies, []
         return out
+
+    def connection_events(self) -> list[ConnectionEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def connection(self, address: tuple[str, int], up: bool) -> None:
+        """The connection to ``address`` comes up or goes down (seen at the
+        next ``connection_events``)."""
+        self._events.append(ConnectionEvent(address, up))
 
     def queue_reply(self, message: Message) -> None:
         """``message`` comes back from a prefill at the next ``receive``."""

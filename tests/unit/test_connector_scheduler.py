@@ -138,6 +138,7 @@ def test_allocation_registers_the_blocks_after_the_local_hit(decode):
             Registration(
                 transfer_id="t1",
                 decode_engine_id="d0",
+                decode_boot_id=sched.config.boot_id,
                 decode_agent_name="kvpush-d0",
                 dst_block_ids=(1, 2, 3),  # prompt blocks 2..4; 9 is past it
                 num_tokens=PROMPT,
@@ -236,20 +237,24 @@ def test_a_request_without_params_is_not_kvpushs_business(decode):
     assert peers.sent == []
 
 
-def test_decode_request_aborted_while_receiving_cancels_the_transfer(decode):
+def test_decode_request_aborted_while_receiving_keeps_its_blocks(decode):
+    """The blocks stay with vLLM until the worker says no WRITE can land;
+    the worker (not the scheduler) sends the Cancel and awaits the answer."""
     sched, peers = decode
     req = FakeRequest("r1", DECODE_PARAMS)
     sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
     empty_step(sched)
 
-    assert sched.request_finished(req) == (False, None)
-    sched.update_connector_output(finished_sending=None, finished_recving={"r1"})
-    assert leftovers(sched) == {}
+    assert sched.request_finished(req) == (True, None)
+    meta = sched.build_connector_meta(SchedulerOutput())
+    assert meta.recv_cancels == ["t1"]
+    assert sched.has_pending_push_work(), "the engine must step until released"
+    assert peers.messages(Cancel) == []
 
-    (cancel,) = peers.messages(Cancel)
-    assert (cancel.transfer_id, cancel.engine_id) == ("t1", "d0")
-    assert peers.sent[-1][:2] == (PREFILL_HOST, PREFILL_PORT)
+    sched.update_connector_output(finished_sending=None, finished_recving={"r1"})
+    assert not sched.has_pending_push_work()
+    assert leftovers(sched) == {}
 
 
 def test_decode_request_aborted_before_allocation_cancels_the_transfer(decode):

@@ -19,6 +19,7 @@ import zmq
 from kvpush.connector.side_channel import Listener, Peers
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     Cancel,
     HelloReply,
     Message,
@@ -41,6 +42,7 @@ def registration(tid: str = "t1") -> Registration:
     return Registration(
         transfer_id=tid,
         decode_engine_id="d0",
+        decode_boot_id="b0",
         decode_agent_name="kvpush-d0",
         dst_block_ids=(1, 2),
         num_tokens=20,
@@ -123,7 +125,7 @@ def test_a_reply_reaches_the_socket_that_sent_the_message(channel, peers):
 
 
 def wrong_version() -> bytes:
-    return msgspec.msgpack.encode((2, registration()))
+    return msgspec.msgpack.encode((PROTOCOL_VERSION + 1, registration()))
 
 
 GARBAGE: dict[str, Callable[[], list[bytes]]] = {
@@ -131,8 +133,12 @@ GARBAGE: dict[str, Callable[[], list[bytes]]] = {
     "empty": lambda: [b""],
     "oversized": lambda: [encode(registration()) + b"\0" * MAX_MESSAGE_BYTES],
     "wrong version": lambda: [wrong_version()],
-    "unknown type": lambda: [msgspec.msgpack.encode((1, {"type": "evil"}))],
-    "invalid body": lambda: [msgspec.msgpack.encode((1, {"type": "registration"}))],
+    "unknown type": lambda: [
+        msgspec.msgpack.encode((PROTOCOL_VERSION, {"type": "evil"}))
+    ],
+    "invalid body": lambda: [
+        msgspec.msgpack.encode((PROTOCOL_VERSION, {"type": "registration"}))
+    ],
     "three frames": lambda: [encode(registration("t9")), b"extra"],
 }
 

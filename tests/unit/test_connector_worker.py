@@ -26,12 +26,21 @@ from kvpush.connector.metadata import KvPushMetadata, PushTrigger, RecvExpect
 from kvpush.connector.worker import KvPushWorker, layout_of
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import ReadyKv
-from kvpush.transfer.messages import Done, Failure, Hello, HelloReply, encode
+from kvpush.transfer.messages import (
+    Cancel,
+    Done,
+    Failure,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    encode,
+)
 from tests.fakes.fake_nixl import FakeNixlIO, FakePeers, leftovers
 
 BS = 16
 TTL_S = 60.0
 PREFILL_ADDR = ("127.0.0.1", 5600)
+BLOCKS = {"t1": (3, 4, 5), "t2": (6, 7, 8)}  # each transfer's destination blocks
 LAYOUT = KvLayout.contiguous_layers(0x1000, 2, 32, 256, BS, kv_dtype="float32")
 
 
@@ -80,7 +89,7 @@ class Decode:
         expect = RecvExpect(
             req_id=req_id,
             transfer_id=tid,
-            dst_block_ids=(3, 4, 5),
+            dst_block_ids=BLOCKS[tid],
             prefill_engine_id="p0",
             prefill_host=PREFILL_ADDR[0],
             prefill_port=PREFILL_ADDR[1],
@@ -99,6 +108,13 @@ class Decode:
         self.io.deliver(encode(Done(transfer_id=tid, engine_id="p0", num_blocks=3)))
 
 
+def assert_idle(worker: KvPushWorker) -> None:
+    """Nothing is held for any transfer (per-peer connection state aside)."""
+    assert leftovers(worker, ignore={"_greeted", "_connected"}) == {}
+    assert leftovers(worker._receiver) == {}
+    assert worker.reserved_blocks() == 0
+
+
 @pytest.fixture
 def decode(clock: FakeTime) -> Iterator[Decode]:
     """A decode worker as ``register_kv_caches`` leaves it, NIXL faked."""
@@ -108,7 +124,11 @@ def decode(clock: FakeTime) -> Iterator[Decode]:
     worker._peers.close()
     worker._io, worker._peers = io, peers  # type: ignore[assignment]
     worker._hello = Hello(
-        engine_id="d0", agent_name=io.name, nixl_metadata=io.metadata, layout=LAYOUT
+        engine_id="d0",
+        boot_id="b0",
+        agent_name=io.name,
+        nixl_metadata=io.metadata,
+        layout=LAYOUT,
     )
     yield Decode(worker, io, peers)
     worker.close()
@@ -128,7 +148,7 @@ def test_a_receive_finishes_when_its_done_notification_arrives(decode: Decode):
     assert decode.step() == {"r1"}
     assert decode.step() == set(), "reported once"
     assert decode.worker.take_load_errors() == set()
-    assert leftovers(decode.worker) == {}
+    assert_idle(decode.worker)
 
 
 def test_decode_says_hello_once_to_each_prefill_before_expecting(decode: Decode):
@@ -146,7 +166,7 @@ def test_a_done_one_step_before_its_expect_is_kept_for_it(decode: Decode):
 
     assert decode.step() == {"r1"}
     assert decode.step() == set()
-    assert leftovers(decode.worker) == {}
+    assert_idle(decode.worker)
 
 
 def test_a_failure_from_prefill_finishes_the_receive_with_load_errors(decode):
@@ -171,7 +191,7 @@ def test_an_overdue_receive_finishes_with_load_errors(decode, clock: FakeTime):
 
     assert decode.step() == {"r1"}
     assert decode.worker.take_load_errors() == {3, 4, 5}
-    assert leftovers(decode.worker) == {}
+    assert_idle(decode.worker)
 
 
 def test_a_late_done_after_a_failure_is_forgotten(decode, clock: FakeTime):
@@ -185,7 +205,7 @@ def test_a_late_done_after_a_failure_is_forgotten(decode, clock: FakeTime):
     clock.now += TTL_S + 10  # however long a Done may wait for its expect
     assert decode.step() == set()
 
-    assert leftovers(decode.worker) == {}
+    assert_idle(decode.worker)
 
 
 def test_only_the_failed_transfer_is_affected(decode: Decode):
@@ -196,7 +216,7 @@ def test_only_the_failed_transfer_is_affected(decode: Decode):
     assert decode.step() == {"r2"}
     decode.done("t1")
     assert decode.step() == {"r1"}
-    assert decode.worker.take_load_errors() == {3, 4, 5}  # r2's blocks only
+    assert decode.worker.take_load_errors() == {6, 7, 8}  # r2's blocks only
 
 
 def test_malformed_notifications_are_dropped(decode: Decode):
@@ -214,6 +234,92 @@ def test_a_refused_hello_fails_the_transfers_expected_from_that_prefill(decode):
     )
 
     assert decode.step() == {"r1"}
+
+
+def test_a_receive_aborted_in_vllm_is_released_only_on_prefills_answer(decode):
+    decode.expect()
+    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))
+
+    (cancel,) = [m for m in decode.peers.messages(Cancel)]
+    assert cancel.transfer_id == "t1"
+    assert decode.step() == set(), "a WRITE may still land: blocks stay held"
+    assert decode.worker.reserved_blocks() == 3
+
+    decode.peers.queue_reply(
+        Failure(transfer_id="t1", engine_id="p0", cause="cancelled")
+    )
+    assert decode.step() == {"r1"}
+    assert decode.worker.take_load_errors() == set(), "the request is gone"
+    assert decode.worker.counters.get("aborted.released") == 1
+    assert_idle(decode.worker)
+
+
+def test_a_receive_aborted_in_vllm_is_released_by_the_done_of_its_write(decode):
+    decode.expect()
+    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))
+    assert decode.step() == set()
+
+    decode.done()
+
+    assert decode.step() == {"r1"}
+    assert decode.worker.take_load_errors() == set()
+    assert_idle(decode.worker)
+
+
+def test_an_aborted_receive_nobody_answers_is_released_at_its_deadline(
+    decode, clock: FakeTime
+):
+    decode.expect()
+    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))
+    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))  # vLLM repeats: one Cancel
+    assert len(decode.peers.messages(Cancel)) == 1
+    clock.now += TTL_S
+    assert decode.step() == set()
+
+    clock.now += 5.1
+
+    assert decode.step() == {"r1"}
+    assert decode.worker.take_load_errors() == set()
+    assert_idle(decode.worker)
+
+
+def test_a_lost_prefill_connection_fails_its_receives_then_greets_again(decode):
+    decode.expect("t1", "r1")
+    decode.peers.connection(PREFILL_ADDR, up=True)
+    assert decode.step() == set()
+
+    decode.peers.connection(PREFILL_ADDR, up=False)
+
+    assert decode.step() == {"r1"}
+    assert decode.worker.take_load_errors() == {3, 4, 5}
+    assert decode.worker.counters.get("peer_lost") == 1
+    assert decode.worker.counters.get("receive_failed.peer_lost") == 1
+    hellos = len(decode.peers.messages(Hello))
+    decode.peers.connection(PREFILL_ADDR, up=True)  # prefill restarted
+    decode.step()
+    assert len(decode.peers.messages(Hello)) == hellos + 1
+    assert_idle(decode.worker)
+
+
+def test_a_prefill_that_never_connects_fails_the_receive(decode: Decode):
+    decode.expect()
+    decode.peers.connection(PREFILL_ADDR, up=False)  # connect attempt refused
+
+    assert decode.step() == {"r1"}
+    assert decode.worker.take_load_errors() == {3, 4, 5}
+
+
+def test_heartbeats_go_every_second_to_awaited_prefills_only(decode, clock):
+    decode.step()
+    assert decode.peers.messages(Heartbeat) == [], "nothing awaited"
+    decode.expect()
+    decode.step()
+    decode.step()
+    assert len(decode.peers.messages(Heartbeat)) == 1
+    clock.now += 1.0
+    decode.step()
+    (first, second) = decode.peers.messages(Heartbeat)
+    assert second == Heartbeat(engine_id="d0", boot_id=decode.worker.config.boot_id)
 
 
 # -- prefill ---------------------------------------------------------------------

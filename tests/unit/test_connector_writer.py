@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource
 from kvpush.connector.fence import NoFence
 from kvpush.connector.trace import Tracer
 from kvpush.connector.writer import Writer
@@ -26,6 +28,7 @@ from kvpush.transfer.messages import (
     Cancel,
     Done,
     Failure,
+    Heartbeat,
     Hello,
     HelloReply,
     Message,
@@ -45,6 +48,7 @@ WAIT_S = 2.0
 PREFILL = "p0"
 DECODE = "d0"
 DECODE_ROUTE = b"route-d0"
+BOOT = "boot-1"
 
 
 def layout(base: int, block_bytes: int = BLOCK_BYTES) -> KvLayout:
@@ -72,14 +76,30 @@ class Replies:
 class Rig:
     """A writer with a fake prefill agent linked to a fake decode agent."""
 
-    def __init__(self, tmp_trace_dir: str = "", ready_ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        tmp_trace_dir: str = "",
+        ready_ttl_s: float = 30.0,
+        peer_timeout_s: float = 10.0,
+        fault_file: str = "",
+    ) -> None:
         self.io = FakeNixlIO("kvpush-p0", layout(SRC_BASE))
         self.decode_io = FakeNixlIO("kvpush-d0", layout(DST_BASE))
         self.io.link(self.decode_io)
         self.replies = Replies()
         self.tracer = Tracer(tmp_trace_dir, PREFILL)
         config = MatcherConfig(block_size=BS, ready_ttl_s=ready_ttl_s)
-        self.writer = Writer(self.io, PREFILL, config, self.replies, self.tracer)
+        self.counters = Counters("", PREFILL, "prefill")
+        self.writer = Writer(
+            self.io,
+            PREFILL,
+            config,
+            self.replies,
+            self.tracer,
+            self.counters,
+            peer_timeout_s,
+            FaultSource(fault_file),
+        )
         self.finished: set[str] = set()
         self._probes = 0
 
@@ -90,6 +110,7 @@ class Rig:
         engine: str = DECODE,
         route: bytes = DECODE_ROUTE,
         decode_layout: KvLayout | None = None,
+        boot_id: str = BOOT,
     ) -> None:
         io = (
             self.decode_io
@@ -100,6 +121,7 @@ class Rig:
             route,
             Hello(
                 engine_id=engine,
+                boot_id=boot_id,
                 agent_name=io.name,
                 nixl_metadata=io.metadata,
                 layout=decode_layout or io.layout,
@@ -113,10 +135,12 @@ class Rig:
         first_block: int = 0,
         tid: str = "t1",
         ttl_s: float = 10.0,
+        boot_id: str = BOOT,
     ) -> None:
         reg = Registration(
             transfer_id=tid,
             decode_engine_id=DECODE,
+            decode_boot_id=boot_id,
             decode_agent_name="kvpush-d0",
             dst_block_ids=dst,
             num_tokens=num_tokens,
@@ -141,6 +165,17 @@ class Rig:
         )
         self.writer.kv_ready(kv, req_id, fence or NoFence())  # type: ignore[arg-type]
 
+    def cancel(self, tid: str = "t1", route: bytes = DECODE_ROUTE) -> None:
+        """Decode's worker cancels the transfer (its request was aborted)."""
+        self.writer.on_message(
+            route, Cancel(transfer_id=tid, engine_id=DECODE, reason="aborted")
+        )
+
+    def heartbeat(self, boot_id: str = BOOT) -> None:
+        self.writer.on_message(
+            DECODE_ROUTE, Heartbeat(engine_id=DECODE, boot_id=boot_id)
+        )
+
     def sync(self) -> None:
         """Return once the writer has handled everything put on its inbox so
         far (it handles its inbox in order): a Hello from a probe engine is
@@ -163,8 +198,9 @@ class Rig:
         return wait_for(seen, timeout_s)
 
     def held(self) -> dict[str, int]:
-        """What the writer still holds besides its known peers."""
-        held = leftovers(self.writer, ignore={"_peers"})
+        """What the writer still holds besides its known peers (and when it
+        last heard from each)."""
+        held = leftovers(self.writer, ignore={"_peers", "_last_seen"})
         if len(self.writer._matcher):
             held["matcher"] = len(self.writer._matcher)
         return held
@@ -432,6 +468,7 @@ def test_hello_with_unloadable_metadata_is_refused(rig: Rig):
         DECODE_ROUTE,
         Hello(
             engine_id=DECODE,
+            boot_id=BOOT,
             agent_name="kvpush-d0",
             nixl_metadata=b"junk",
             layout=layout(DST_BASE),
@@ -489,6 +526,7 @@ def test_registration_outside_decodes_cache_releases_and_fails():
         rig.ready()
 
         assert rig.wait_finished("req-1", timeout_s=0.5)
-        assert_failed(rig, "write_failed")
+        assert_failed(rig, "rejected")
+        assert rig.io.writes_snapshot() == [], "nothing is written out of range"
     finally:
         rig.close()

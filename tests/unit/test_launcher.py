@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.cli import up_config
+from kvpush.cli import _parser, up_config
 from kvpush.launcher import process
 from kvpush.launcher.config import ClusterConfig, load_config_file, make_config
 from kvpush.launcher.instances import kv_transfer_config, plan_instances
@@ -46,29 +45,53 @@ def test_each_instance_gets_its_own_ports_core_and_log(tmp_path: Path) -> None:
 
 
 def test_kv_transfer_config_per_mode(tmp_path: Path) -> None:
-    prefill, decode = plan_instances(ClusterConfig(mode="kvpush"), tmp_path)
-    kv = kv_transfer_config("kvpush", prefill)
+    kvpush = ClusterConfig(mode="kvpush")
+    prefill, decode = plan_instances(kvpush, tmp_path)
+    kv = kv_transfer_config(kvpush, prefill)
     assert kv is not None
     assert (kv["kv_connector"], kv["kv_role"], kv["engine_id"]) == (
         "KvPushConnector", "kv_producer", "prefill0",
     )  # fmt: skip
+    assert kv["kv_load_failure_policy"] == "recompute"
     assert kv["kv_connector_extra_config"]["side_channel_port"] == 5600
-    pull = kv_transfer_config("vllm-pull", decode)
+    assert "fault_file" not in kv["kv_connector_extra_config"]
+    assert "ready_ttl_s" not in kv["kv_connector_extra_config"]
+    pull_config = ClusterConfig(mode="vllm-pull", kv_load_failure_policy="error")
+    pull = kv_transfer_config(pull_config, decode)
     assert pull is not None and pull["kv_connector"] == "FairNixlConnector"
+    assert pull["kv_load_failure_policy"] == "fail"
     assert "kv_connector_extra_config" not in pull
-    (colocated,) = plan_instances(ClusterConfig(mode="colocated"), tmp_path)
-    assert kv_transfer_config("colocated", colocated) is None
+    colocated_config = ClusterConfig(mode="colocated", num_prefill=0, num_decode=0)
+    (colocated,) = plan_instances(colocated_config, tmp_path)
+    assert kv_transfer_config(colocated_config, colocated) is None
+
+
+def test_kvpush_deadlines_and_fault_file_reach_the_connector(tmp_path: Path) -> None:
+    config = ClusterConfig(
+        mode="kvpush", ready_ttl_s=3.0, peer_timeout_s=2.0, fault_injection=True
+    )
+    _, decode = plan_instances(config, tmp_path)
+    kv = kv_transfer_config(config, decode)
+    assert kv is not None
+    extra = kv["kv_connector_extra_config"]
+    assert (extra["ready_ttl_s"], extra["peer_timeout_s"]) == (3.0, 2.0)
+    assert "registration_ttl_s" not in extra
+    assert extra["fault_file"] == str(tmp_path / "faults.json")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"kv_load_failure_policy": "retry"}, {"ready_ttl_s": 0}, {"peer_timeout_s": -1}],
+)
+def test_bad_failure_settings_are_refused(fields: dict) -> None:
+    with pytest.raises(ValueError):
+        ClusterConfig(mode="kvpush", **fields)
 
 
 def test_config_file_then_flags(tmp_path: Path) -> None:
     path = tmp_path / "cluster.toml"
     path.write_text('mode = "vllm-push"\nport = 9000\nnum_decode = 2\n')
-    args = argparse.Namespace(config=path, mode=None, port=9100, num_prefill=None,
-                              num_decode=None, model=None, host=None,
-                              base_http_port=None, base_side_channel_port=None,
-                              run_dir=None, dtype=None, max_model_len=None,
-                              max_num_batched_tokens=None, kv_cache_space_gb=None,
-                              startup_timeout_s=None)  # fmt: skip
+    args = _parser().parse_args(["up", "--config", str(path), "--port", "9100"])
     config = up_config(args)
     assert (config.mode, config.port, config.num_decode) == ("vllm-push", 9100, 2)
 

@@ -38,7 +38,7 @@ def reg(
     engine: str = "d0",
 ) -> Registration:
     return Registration(
-        tid, engine, f"{engine}-agent", dst, num_tokens, ttl_s, first_block
+        tid, engine, "boot0", f"{engine}-agent", dst, num_tokens, ttl_s, first_block
     )
 
 

@@ -19,6 +19,7 @@ from kvpush.transfer.messages import (
     DecodeLeg,
     Done,
     Failure,
+    Heartbeat,
     Hello,
     HelloReply,
     Message,
@@ -36,6 +37,7 @@ LAYOUT = KvLayout.contiguous_layers(
 REG = Registration(
     transfer_id="kvp-1a2b",
     decode_engine_id="decode0",
+    decode_boot_id="1764477284000000000",
     decode_agent_name="decode0-agent",
     dst_block_ids=(7, 8, 9),
     num_tokens=300,
@@ -43,12 +45,13 @@ REG = Registration(
     first_block=1,
 )
 MESSAGES: list[Message] = [
-    Hello("decode0", "decode0-agent", b"\x00nixl\xff" * 10, LAYOUT),
+    Hello("decode0", "boot1", "decode0-agent", b"\x00nixl\xff" * 10, LAYOUT),
     HelloReply("prefill0", accepted=True),
     HelloReply("prefill0", accepted=False, reason="block_size differs"),
     REG,
     Cancel("kvp-1a2b", "decode0", reason="client went away"),
     Failure("kvp-1a2b", "prefill0", cause="expired", detail="no KV in 30 s"),
+    Heartbeat("decode0", "boot1"),
     Done("kvp-1a2b", "prefill0", num_blocks=3),
 ]
 
@@ -75,7 +78,9 @@ def test_version_is_checked_before_the_body() -> None:
     # A body this version cannot even parse: the error must still be about
     # the version, proving the payload was not decoded first.
     data = _raw(PROTOCOL_VERSION + 1, {"type": "from_the_future", "x": [1, 2]})
-    with pytest.raises(ProtocolError, match="protocol version 2 is not supported"):
+    with pytest.raises(
+        ProtocolError, match=f"protocol version {PROTOCOL_VERSION + 1} is not supported"
+    ):
         decode(data)
 
 
@@ -131,7 +136,7 @@ def test_a_bad_layout_inside_hello_is_refused() -> None:
 
 
 def test_metadata_over_its_own_limit_is_refused() -> None:
-    hello = Hello("d", "a", b"x" * (MAX_METADATA_BYTES + 1), LAYOUT)
+    hello = Hello("d", "b", "a", b"x" * (MAX_METADATA_BYTES + 1), LAYOUT)
     with pytest.raises(ProtocolError, match="nixl_metadata"):
         encode(hello)
 
@@ -157,7 +162,7 @@ def test_decode_survives_any_well_formed_msgpack(value: Any) -> None:
 def test_encode_validates_like_the_receiver() -> None:
     # msgspec checks field constraints only when decoding; encode() must
     # catch a bad locally built message before it reaches a peer.
-    bad = Registration("t", "d", "a", (-1,), num_tokens=1, ttl_s=1.0)
+    bad = Registration("t", "d", "b", "a", (-1,), num_tokens=1, ttl_s=1.0)
     with pytest.raises(ProtocolError, match=">= 0"):
         encode(bad)
     with pytest.raises(ProtocolError, match="not a kvpush message"):
@@ -166,7 +171,7 @@ def test_encode_validates_like_the_receiver() -> None:
 
 def test_registration_refuses_repeated_destination_blocks_at_construction() -> None:
     with pytest.raises(ValueError, match="repeat"):
-        Registration("t", "d", "a", (1, 1), num_tokens=20, ttl_s=1.0)
+        Registration("t", "d", "b", "a", (1, 1), num_tokens=20, ttl_s=1.0)
 
 
 # -- TransferParams ---------------------------------------------------------

@@ -1,0 +1,88 @@
+"""Event counters of one connector process, exported as a JSON file.
+
+Every fault-handling path counts what it did (``expired.ready``,
+``failed.write_failed``, ``fallback``, ``rejected.malformed``, ...; the full
+list is in ``docs/architecture.md``). vLLM's own ``/metrics`` has no room for
+them, so each process writes its counts to
+``TRACE_DIR/counters-<engine>-<pid>.json``::
+
+    {"engine_id": "prefill0", "role": "prefill", "pid": 123,
+     "counters": {"expired.ready": 1}}
+
+The router sums these files into ``kvpush_connector_events_total`` on its
+``/metrics``; tests and the soak read them directly. The file is rewritten
+atomically at most once per :data:`FLUSH_PERIOD_S` while counts change, and
+on close. Disabled (counting only) when no directory is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+FLUSH_PERIOD_S = 0.5
+_NAME = re.compile(r"^[a-z0-9_.]+$")
+
+
+class Counters:
+    """Thread-safe named counters with a rate-limited file export."""
+
+    def __init__(self, trace_dir: str, engine_id: str, role: str) -> None:
+        self._engine_id, self._role = engine_id, role
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._dirty = False
+        self._last_flush = 0.0
+        self._path: Path | None = None
+        if trace_dir:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            self._path = Path(trace_dir) / f"counters-{engine_id}-{os.getpid()}.json"
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Count ``n`` more ``name`` events (lowercase, digits, ``_`` and ``.``)."""
+        if not _NAME.match(name):
+            raise ValueError(f"bad counter name {name!r}")
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + n
+            self._dirty = True
+        self.maybe_flush()
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._counts.get(name, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def maybe_flush(self, force: bool = False) -> None:
+        """Write the file if counts changed and the last write is old enough
+        (any thread; cheap when nothing changed)."""
+        if self._path is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if not self._dirty or (
+                not force and now - self._last_flush < FLUSH_PERIOD_S
+            ):
+                return
+            self._dirty, self._last_flush = False, now
+            body = {
+                "engine_id": self._engine_id,
+                "role": self._role,
+                "pid": os.getpid(),
+                "counters": dict(self._counts),
+            }
+            tmp = self._path.with_suffix(".tmp")
+            try:
+                tmp.write_text(json.dumps(body, sort_keys=True))
+                tmp.replace(self._path)
+            except OSError:  # counters must never break the connector
+                self._dirty = True
+
+    def close(self) -> None:
+        self.maybe_flush(force=True)
