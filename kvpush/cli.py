@@ -51,9 +51,36 @@ def _parser() -> argparse.ArgumentParser:
     )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
+    _add_router_health_options(router)
     router.set_defaults(func=_cmd_router)
     add_bench_parser(sub)
     return parser
+
+
+def _add_router_health_options(p: argparse.ArgumentParser) -> None:
+    """Fault-tolerance options; unset ones keep RouterConfig's defaults."""
+    p.add_argument(
+        "--health-interval-s",
+        type=float,
+        help="seconds between health probes of each instance (default 1.0)",
+    )
+    p.add_argument(
+        "--unhealthy-after",
+        type=int,
+        help="consecutive failed probes before an instance is avoided (default 2)",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        help="attempts per request, retries on other instances included "
+        "(default 2; 1 disables retries)",
+    )
+    p.add_argument(
+        "--connector-stats-dir",
+        type=Path,
+        help="directory of the kvpush connector's counters-*.json, summed into "
+        "/metrics (the launcher passes RUN_DIR/traces in kvpush mode)",
+    )
 
 
 def _add_make_model(sub: Any) -> None:
@@ -104,6 +131,22 @@ def _add_up(sub: Any) -> None:
     )
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument(
+        "--kv-load-failure-policy",
+        choices=["recompute", "error"],
+        help="when KV does not arrive, decode recomputes it (default) or errors",
+    )
+    for flag, default in (("registration", 60), ("ready", 30), ("peer-timeout", 10)):
+        name = flag if flag == "peer-timeout" else f"{flag}-ttl"
+        p.add_argument(
+            f"--{name}-s", type=float, help=f"kvpush deadline (default {default} s)"
+        )
+    p.add_argument(
+        "--fault-injection",
+        action="store_true",
+        default=None,
+        help="tests only: connectors obey RUN_DIR/faults.json",
+    )
+    p.add_argument(
         "--config", type=Path, help="JSON or TOML file of these settings; flags win"
     )
     p.set_defaults(func=_cmd_up)
@@ -130,6 +173,8 @@ _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "model", "port", "host", "base_http_port",
     "base_side_channel_port", "run_dir", "dtype", "max_model_len",
     "max_num_batched_tokens", "kv_cache_space_gb", "startup_timeout_s",
+    "kv_load_failure_policy", "registration_ttl_s", "ready_ttl_s", "peer_timeout_s",
+    "fault_injection",
 )  # fmt: skip
 
 
@@ -192,8 +237,21 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from kvpush.router import RouterConfig, run_router
     from kvpush.topology import load_topology
 
+    options = {
+        name: getattr(args, name)
+        for name in (
+            "health_interval_s",
+            "unhealthy_after",
+            "max_attempts",
+            "connector_stats_dir",
+        )
+        if getattr(args, name) is not None
+    }
     config = RouterConfig(
-        topology=load_topology(args.topology), host=args.host, port=args.port
+        topology=load_topology(args.topology),
+        host=args.host,
+        port=args.port,
+        **options,
     )
     run_router(config)
     return 0

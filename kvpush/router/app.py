@@ -3,7 +3,9 @@
 ``run_router`` (called by the CLI) serves until SIGINT/SIGTERM;
 ``start_router`` (used by ``run_router`` and by tests) starts the server on
 the running loop and returns a handle to close it. The app owns one
-``aiohttp.ClientSession``, created at start-up and closed at clean-up.
+``aiohttp.ClientSession`` and one :class:`HealthMonitor`: the session is
+created at start-up, then the health checks start; at clean-up the checks
+stop before the session closes.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.router import connector_stats
 from kvpush.router.config import RouterConfig
-from kvpush.router.dispatch import FlowContext, serve
+from kvpush.router.context import FlowContext
+from kvpush.router.dispatch import serve
 from kvpush.router.errors import RouterError, bad_request
 from kvpush.router.metrics import RouterMetrics
+from kvpush.router.monitor import HealthMonitor, probe
 from kvpush.router.requests import Endpoint, parse_request
 from kvpush.router.selection import RoundRobinSelector, Selector
 from kvpush.topology import Backend
@@ -32,6 +37,7 @@ from kvpush.topology import Backend
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+STATS_READ_TIMEOUT_S = 2.0  # how long a scrape waits for the connector counters
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -42,6 +48,7 @@ class RouterState:
     config: RouterConfig
     selector: Selector
     metrics: RouterMetrics
+    health: HealthMonitor
     session: aiohttp.ClientSession | None = None
 
     def client(self) -> aiohttp.ClientSession:
@@ -63,12 +70,15 @@ def build_app(
         client_max_size=config.max_body_bytes,
         middlewares=[_request_id_middleware, _error_middleware],
     )
+    metrics = RouterMetrics(config.mode)
     app[STATE] = RouterState(
         config=config,
         selector=selector or RoundRobinSelector(),
-        metrics=RouterMetrics(config.mode),
+        metrics=metrics,
+        health=HealthMonitor(config, metrics),
     )
     app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_health_checks)  # cleaned up first: before the session
     app.on_response_prepare.append(_echo_request_id)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -92,6 +102,15 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     finally:
         await state.session.close()
         state.session = None
+
+
+async def _health_checks(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.health.start(state.client())
+    try:
+        yield
+    finally:
+        await state.health.close()
 
 
 # -- middleware ------------------------------------------------------------
@@ -176,6 +195,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         config=state.config,
         selector=state.selector,
         metrics=state.metrics,
+        health=state.health,
         started_at=started,
     )
     return await serve(ctx)
@@ -191,10 +211,13 @@ def _too_large(config: RouterConfig) -> RouterError:
 
 
 async def _models(request: web.Request) -> web.Response:
-    """Proxy ``GET /v1/models`` to the first decode (or colocated) backend."""
+    """Proxy ``GET /v1/models`` to the first healthy decode (or colocated)
+    backend, else the first one."""
     state = request.app[STATE]
     topology = state.config.topology
-    backend = (topology.decodes or topology.colocated)[0]
+    candidates = topology.decodes or topology.colocated
+    healthy = [b for b in candidates if state.health.board.is_healthy(b.engine_id)]
+    backend = (healthy or candidates)[0]
     url = backend.url.rstrip("/") + "/v1/models"
     headers = {REQUEST_ID_HEADER: request[REQUEST_ID]}
     try:
@@ -222,10 +245,11 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """200 if every backend's ``/health`` answers 200 in time, else 503."""
+    """200 if every backend's ``/health`` answers 200 in time, else 503; each
+    backend's report also says whether the router routes to it now."""
     state = request.app[STATE]
     backends = state.config.topology.backends
-    reports = await asyncio.gather(*(_probe(state, b) for b in backends))
+    reports = await asyncio.gather(*(_report(state, b) for b in backends))
     is_healthy = all(r["healthy"] for r in reports)
     body = {
         "status": "ok" if is_healthy else "degraded",
@@ -235,29 +259,33 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if is_healthy else 503)
 
 
-async def _probe(state: RouterState, backend: Backend) -> dict[str, Any]:
-    report: dict[str, Any] = {
+async def _report(state: RouterState, backend: Backend) -> dict[str, Any]:
+    result = await probe(state.client(), backend, state.config.health_timeout_s)
+    state.health.record(backend, result)
+    return {
         "engine_id": backend.engine_id,
         "role": backend.role,
         "url": backend.url,
-        "healthy": False,
-        "status": None,
-        "error": None,
+        "healthy": result.is_ok,
+        "routed": state.health.board.is_healthy(backend.engine_id),
+        "status": result.status,
+        "error": result.error,
     }
-    try:
-        async with asyncio.timeout(state.config.health_timeout_s):
-            async with state.client().get(backend.url.rstrip("/") + "/health") as resp:
-                report["status"] = resp.status
-                report["healthy"] = resp.status == 200
-    except TimeoutError:
-        report["error"] = f"no answer within {state.config.health_timeout_s}s"
-    except aiohttp.ClientError as e:
-        report["error"] = f"{type(e).__name__}: {e}"
-    return report
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    text = request.app[STATE].metrics.render()
+    """The router's metrics, then the connector's counters when configured
+    (read off the event loop at every scrape)."""
+    state = request.app[STATE]
+    text = state.metrics.render()
+    stats_dir = state.config.connector_stats_dir
+    if stats_dir is not None:
+        try:
+            async with asyncio.timeout(STATS_READ_TIMEOUT_S):
+                read = connector_stats.read_counters
+                text += connector_stats.render(await asyncio.to_thread(read, stats_dir))
+        except TimeoutError:
+            logger.warning("connector counters in %s: read timed out", stats_dir)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

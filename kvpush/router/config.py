@@ -7,6 +7,7 @@ nothing in the router reads the environment or mutates this object.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvpush.topology import Topology
 
@@ -22,9 +23,19 @@ class RouterConfig:
 
     ``request_timeout_s`` bounds a whole client request, every leg included;
     ``connect_timeout_s`` bounds opening a TCP connection to a backend;
-    ``health_timeout_s`` bounds each backend probe made by ``GET /health``;
+    ``health_timeout_s`` bounds each probe of a backend's ``/health`` (the
+    background checks and the router's own ``GET /health``);
+    ``health_interval_s`` is the pause between two background probes of one
+    backend; an instance is routed around after ``unhealthy_after``
+    consecutive failed probes (or at once when a request cannot connect to
+    it) until one probe succeeds;
+    ``max_attempts`` bounds the attempts of one request: a failed attempt is
+    retried on other instances while nothing has reached the client (1: never);
     ``shutdown_timeout_s`` is how long in-flight requests may finish on stop;
-    ``max_body_bytes`` caps the size of an incoming request body (413 above).
+    ``max_body_bytes`` caps the size of an incoming request body (413 above);
+    ``connector_stats_dir``, when set, is where the kvpush connector writes
+    its ``counters-*.json`` (the cluster's ``RUN_DIR/traces``), summed into
+    ``/metrics`` at every scrape.
     ``port`` 0 asks the OS for a free port (tests use it).
     """
 
@@ -34,8 +45,12 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     health_timeout_s: float = 2.0
+    health_interval_s: float = 1.0
+    unhealthy_after: int = 2
+    max_attempts: int = 2
     shutdown_timeout_s: float = 10.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    connector_stats_dir: Path | None = None
 
     def __post_init__(self) -> None:
         self.topology.validate()
@@ -54,6 +69,9 @@ class RouterConfig:
         _check_positive("request_timeout_s", self.request_timeout_s)
         _check_positive("connect_timeout_s", self.connect_timeout_s)
         _check_positive("health_timeout_s", self.health_timeout_s)
+        _check_positive("health_interval_s", self.health_interval_s)
+        _check_count("unhealthy_after", self.unhealthy_after, "failed probes")
+        _check_count("max_attempts", self.max_attempts, "attempts (1: no retry)")
         _check_positive("shutdown_timeout_s", self.shutdown_timeout_s)
         if self.connect_timeout_s > self.request_timeout_s:
             raise ValueError(
@@ -64,6 +82,7 @@ class RouterConfig:
             raise ValueError(
                 f"max_body_bytes must be at least 1024, not {self.max_body_bytes}"
             )
+        _check_stats_dir(self.connector_stats_dir)
 
     @property
     def mode(self) -> str:
@@ -76,7 +95,31 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a positive number of seconds, not {value}")
 
 
+def _check_count(name: str, value: int, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1 of {unit}, not {value!r}")
+
+
+def _check_stats_dir(path: Path | None) -> None:
+    if path is None:
+        return
+    if not isinstance(path, Path):
+        raise ValueError(
+            f"connector_stats_dir must be a pathlib.Path or None, not {path!r}"
+        )
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"connector_stats_dir {str(path)!r} exists but is not a directory; "
+            "give the cluster's trace directory (RUN_DIR/traces)"
+        )
+
+
 def _check_backend_urls(topology: Topology) -> None:
+    engine_ids = [b.engine_id for b in topology.backends]
+    if len(set(engine_ids)) != len(engine_ids):
+        raise ValueError(
+            f"backend engine ids must be unique, got {engine_ids}; rename duplicates"
+        )
     for backend in topology.backends:
         if not backend.url.startswith(("http://", "https://")):
             raise ValueError(

@@ -1,9 +1,10 @@
 """Router metrics in the Prometheus text exposition format, written by hand.
 
-The request handlers (``app.py``) and the flows (``dispatch.py``) record into
-one :class:`RouterMetrics` owned by the app; ``GET /metrics`` calls
-:meth:`RouterMetrics.render`. Everything runs on the router's event loop, so
-there are no locks.
+The request handlers (``app.py``), the flows (``dispatch.py``) and the health
+monitor (``monitor.py``) record into one :class:`RouterMetrics` owned by the
+app; ``GET /metrics`` calls :meth:`RouterMetrics.render` (and appends the
+connector's counters, ``connector_stats.py``). Everything runs on the
+router's event loop, so there are no locks.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class RouterMetrics:
         self.mode = mode
         self._requests: dict[LabelSet, int] = defaultdict(int)
         self._errors: dict[LabelSet, int] = defaultdict(int)
+        self._failures: dict[LabelSet, int] = defaultdict(int)
+        self._retries: dict[LabelSet, int] = defaultdict(int)
+        self._transitions: dict[LabelSet, int] = defaultdict(int)
+        self._instance_healthy: dict[LabelSet, int] = {}
         self._num_in_flight = 0
         self._histograms: dict[str, dict[LabelSet, Histogram]] = defaultdict(dict)
 
@@ -68,6 +73,26 @@ class RouterMetrics:
 
     def error(self, cause: str) -> None:
         self._errors[self._base(cause=cause)] += 1
+
+    def failed(self, cause: str) -> None:
+        """An attempt (retried or not) or a request failed; ``cause`` is a
+        coarse kind: unreachable, upstream_error, timeout, client_gone, ..."""
+        self._failures[self._base(cause=cause)] += 1
+
+    def retried(self) -> None:
+        """A failed attempt is being tried again on other instances."""
+        self._retries[self._base()] += 1
+
+    def set_instance_healthy(self, instance: str, role: str, is_healthy: bool) -> None:
+        self._instance_healthy[self._base(instance=instance, role=role)] = int(
+            is_healthy
+        )
+
+    def health_transition(self, instance: str, role: str, is_healthy: bool) -> None:
+        """An instance went down or came back (also sets its health gauge)."""
+        to = "up" if is_healthy else "down"
+        self._transitions[self._base(instance=instance, role=role, to=to)] += 1
+        self.set_instance_healthy(instance, role, is_healthy)
 
     def observe_ttft(self, endpoint: str, seconds: float) -> None:
         """Router-observed time to the first byte/SSE event from decode."""
@@ -89,12 +114,31 @@ class RouterMetrics:
         lines += _counter(
             "kvpush_router_errors_total", "Errors by cause.", self._errors
         )
-        gauge = "kvpush_router_requests_in_flight"
-        lines += [
-            f"# HELP {gauge} Client requests being served.",
-            f"# TYPE {gauge} gauge",
-        ]
-        lines.append(f"{gauge}{_labels(self._base())} {self._num_in_flight}")
+        lines += _counter(
+            "kvpush_router_failures_total",
+            "Failed attempts and requests by kind (a retried attempt counts too).",
+            self._failures,
+        )
+        lines += _counter(
+            "kvpush_router_retries_total",
+            "Attempts retried on other instances.",
+            self._retries,
+        )
+        lines += _counter(
+            "kvpush_router_health_transitions_total",
+            "Instances marked down or back up.",
+            self._transitions,
+        )
+        lines += _gauge(
+            "kvpush_router_instance_healthy",
+            "1 if the router routes to the instance, 0 if marked down.",
+            self._instance_healthy,
+        )
+        lines += _gauge(
+            "kvpush_router_requests_in_flight",
+            "Client requests being served.",
+            {self._base(): self._num_in_flight},
+        )
         for short, by_labels in sorted(self._histograms.items()):
             name = f"kvpush_router_{short}"
             lines += [
@@ -124,7 +168,18 @@ _HISTOGRAM_HELP = {
 
 
 def _counter(name: str, help_text: str, values: dict[LabelSet, int]) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+    return metric_lines(name, "counter", help_text, values)
+
+
+def _gauge(name: str, help_text: str, values: dict[LabelSet, int]) -> list[str]:
+    return metric_lines(name, "gauge", help_text, values)
+
+
+def metric_lines(
+    name: str, kind: str, help_text: str, values: dict[LabelSet, int]
+) -> list[str]:
+    """HELP, TYPE and one sample line per label set, sorted."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     lines += [f"{name}{_labels(k)} {v}" for k, v in sorted(values.items())]
     return lines
 

@@ -2,7 +2,9 @@
 
 :class:`FakeVllm` speaks vLLM's ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models`` and ``/health`` on 127.0.0.1 (a free port), records every
-request it receives, and can be told to misbehave (:class:`Fault`). Its
+request it receives, and can be told to misbehave (:class:`Fault`, a failing
+``health_status``, or :meth:`FakeVllm.close` then :meth:`FakeVllm.start` on
+the same port to refuse connections for a while). Its
 answer text is derived from the prompt (:func:`expected_text`), so a test can
 check that the client got decode's answer unchanged.
 
@@ -53,6 +55,8 @@ class Fault:
 
     ``arrival_delay_s`` delays the request's *recorded arrival* (and all its
     handling), which forces the order in which concurrent legs arrive.
+    ``is_reset`` drops the connection before any answer; ``reset_after_chunks``
+    drops it after that many SSE events (a crash mid-stream).
     """
 
     status: int | None = None
@@ -61,6 +65,8 @@ class Fault:
     delay_s: float = 0.0
     is_hang: bool = False
     hang_after_chunks: int | None = None
+    reset_after_chunks: int | None = None
+    is_reset: bool = False
     chunk_delay_s: float = 0.0
 
 
@@ -127,7 +133,8 @@ class FakeVllm:
     _runner: web.AppRunner | None = None
     url: str = ""
 
-    async def start(self) -> FakeVllm:
+    async def start(self, port: int = 0) -> FakeVllm:
+        """Listen on ``port`` (0: a free one; a restart passes its old port)."""
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
@@ -137,7 +144,7 @@ class FakeVllm:
             app, handler_cancellation=True, shutdown_timeout=0.2
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         return self
@@ -145,6 +152,11 @@ class FakeVllm:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
+
+    async def restart(self) -> None:
+        """Listen again on the same port after :meth:`close`."""
+        await self.start(port=int(self.url.rsplit(":", 1)[1]))
 
     def backend(self) -> Backend:
         """This fake as a topology entry."""
@@ -200,6 +212,8 @@ class FakeVllm:
             await asyncio.sleep(fault.delay_s)
         if fault.is_hang:
             await asyncio.sleep(3600)
+        if fault.is_reset:
+            return _drop_connection(request)
         if fault.status is not None:
             rec.answered_at = time.monotonic()
             body = fault.body or _vllm_error(fault.status, "injected fault")
@@ -281,12 +295,21 @@ class FakeVllm:
                 and number >= fault.hang_after_chunks
             ):
                 await asyncio.sleep(3600)
+            if fault.reset_after_chunks == number:
+                return _drop_connection(request)
             if fault.chunk_delay_s:
                 await asyncio.sleep(fault.chunk_delay_s)
             await out.write(event)
         rec.answered_at = time.monotonic()
         await out.write_eof()
         return out
+
+
+def _drop_connection(request: web.Request) -> web.Response:
+    """Close the client's connection without (further) answer."""
+    if request.transport is not None:
+        request.transport.abort()
+    return web.Response(status=500)  # never sent: the connection is gone
 
 
 def _stream_events(rec: Received, engine_id: str) -> list[bytes]:

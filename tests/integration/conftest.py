@@ -62,7 +62,11 @@ def start_cluster(mode: str, model: Path, run_dir: Path, **options: Any) -> Clus
         base_side_channel_port=19000 + 10 * block,
     )
     cluster = Cluster(up(config), run_dir)
-    workload.warm_up(cluster.url)
+    try:
+        workload.warm_up(cluster.url)
+    except BaseException:
+        down(run_dir)  # the caller never gets the cluster to stop
+        raise
     return cluster
 
 

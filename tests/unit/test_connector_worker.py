@@ -318,7 +318,7 @@ def test_heartbeats_go_every_second_to_awaited_prefills_only(decode, clock):
     assert len(decode.peers.messages(Heartbeat)) == 1
     clock.now += 1.0
     decode.step()
-    (first, second) = decode.peers.messages(Heartbeat)
+    (_, second) = decode.peers.messages(Heartbeat)
     assert second == Heartbeat(engine_id="d0", boot_id=decode.worker.config.boot_id)
 
 
