@@ -286,9 +286,10 @@ def status(run_dir: Path) -> dict[str, object] | None:
 def restart(
     config: ClusterConfig, name: str, console: Console | None = None
 ) -> RunState:
-    """Start instance ``name`` of the running cluster again (stopping it
-    first if it still runs), with the command it was started with, and wait
-    until it serves. For fault tests and operators replacing a dead one."""
+    """Start process ``name`` of the running cluster (an instance, or
+    ``router``) again, stopping it first if it still runs, with the command it
+    was started with, and wait until it serves. For fault tests and for
+    operators replacing a dead one."""
     console = console or Console(stderr=True)
     run_dir = run_dir_of(config)
     state = load_state(run_dir)
@@ -296,15 +297,19 @@ def restart(
         raise ValueError(f"no cluster runs from {run_dir}")
     specs = {s.name: s for s in plan_instances(config, run_dir)}
     old = next((p for p in state.processes if p.name == name), None)
-    if old is None or name not in specs:
-        raise ValueError(f"{name!r} is not an instance of the cluster in {run_dir}")
+    if old is None or (name not in specs and name != "router"):
+        raise ValueError(f"{name!r} is not a process of the cluster in {run_dir}")
     if not process.stop_group(old.pid):
         raise RuntimeError(f"could not stop {name} (pid {old.pid})")
-    spec = specs[name]
-    cmd = instance_command(config, spec, Path(state.model))
-    pid = process.spawn(
-        cmd, instance_env(config, spec), spec.log_path, frozenset({spec.core})
-    )
+    if name == "router":
+        log = Path(old.log_path)
+        pid = process.spawn(router_command(config, run_dir), _router_env(), log)
+    else:
+        spec = specs[name]
+        cmd = instance_command(config, spec, Path(state.model))
+        pid = process.spawn(
+            cmd, instance_env(config, spec), spec.log_path, frozenset({spec.core})
+        )
     new = msgspec.structs.replace(old, pid=pid)
     records = [new if p.name == name else p for p in state.processes]
     state = _with(state, records)

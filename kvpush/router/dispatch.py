@@ -195,7 +195,14 @@ async def _concurrent_flow(
         open_first(ctx, "decode", decode, parsed.decode_body(decode_params)),
         "decode-leg",
     )
-    response, first = await _await_decode_start(prefill_task, decode_task)
+    # kvpush's decode notices a prefill that is gone (its side-channel
+    # connection closes) and recomputes the prompt itself, so losing the
+    # prefill leg's connection does not end the request; vLLM's push has no
+    # such fallback, and a prefill that answered with an error stays an error.
+    decode_survives = ctx.config.mode == "kvpush"
+    response, first = await _await_decode_start(
+        ctx, prefill_task, decode_task, decode_survives
+    )
     out = await relay(ctx, "decode", decode, response, first)
     await _settle_prefill(ctx, prefill_task)
     return out
@@ -210,10 +217,14 @@ FLOWS: dict[str, Flow] = {
 
 
 async def _await_decode_start(
+    ctx: FlowContext,
     prefill_task: asyncio.Task[bytes],
     decode_task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
+    decode_survives: bool,
 ) -> tuple[aiohttp.ClientResponse, bytes]:
-    """Wait (under serve's deadline) for decode's first bytes or a leg failure."""
+    """Wait (under serve's deadline) for decode's first bytes or a leg
+    failure. With ``decode_survives``, a failed prefill leg is counted and
+    decode is left to fall back on its own (it answers or fails)."""
     waiting: set[asyncio.Task[Any]] = {prefill_task, decode_task}
     while True:
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -225,8 +236,19 @@ async def _await_decode_start(
             prefill_error = prefill_task.exception() if prefill_done else None
             raise prefill_error or decode_error  # prefill's failure is the cause
         prefill_error = prefill_task.exception()
-        if prefill_error is not None:
+        survivable = (
+            decode_survives
+            and isinstance(prefill_error, RouterError)
+            and prefill_error.kind == "unreachable"
+        )
+        if prefill_error is not None and not survivable:
             raise prefill_error
+        if prefill_error is not None:  # counted by _settle_prefill
+            logger.warning(
+                "request %s: prefill leg failed (%s); decode falls back",
+                ctx.request_id,
+                prefill_error,
+            )
         waiting = {decode_task}
 
 

@@ -126,6 +126,9 @@ class FakeVllm:
     fabric: KvFabric | None = None
     side_channel_port: int = 5600
     kv_wait_s: float = 5.0
+    # kvpush decode: when the KV never comes, compute the prompt locally (as
+    # kvpush's connector does under kv_load_failure_policy=recompute).
+    kv_fallback: bool = False
     health_status: int = 200
     is_kv_producer: bool = True  # False: no kv_transfer_params, like no connector
     fault: Fault | None = None
@@ -246,6 +249,8 @@ class FakeVllm:
             return "decode leg sent to a fake without a KvFabric"
         remote_id = _pairing_key(rec)
         prompt = await self.fabric.wait(remote_id, self.kv_wait_s)
+        if prompt is None and self.kv_fallback and params.get("role") == "decode":
+            return None
         if prompt is None:
             return f"KV for {remote_id} never arrived"
         if prompt != prompt_text(rec.body):

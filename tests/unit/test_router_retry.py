@@ -239,3 +239,26 @@ async def test_a_client_that_leaves_is_not_retried() -> None:
 async def _all_received(*fakes: FakeVllm) -> None:
     for fake in fakes:
         await fake.wait_until(lambda recs: bool(recs))
+
+
+async def test_kvpush_decode_falls_back_when_the_prefill_is_gone() -> None:
+    """A prefill that cannot be reached loses its leg, not the request: kvpush's
+    decode sees the same dead peer and computes the prompt itself."""
+    dead = {"prefill0": dead_url()}
+    async with routed("kvpush", url_overrides=dead) as r:
+        (decode,) = r.cluster.decodes
+        decode.kv_fallback, decode.kv_wait_s = True, 0.2
+        reply = await r.post(PATH, COMPLETION)
+        retries = await _metric(r, 'kvpush_router_retries_total{mode="kvpush"}')
+    assert reply.status == 200, reply.body
+    assert retries == 0
+    assert len(decode.received) == 1
+
+
+async def test_kvpush_prefill_answering_an_error_still_fails_the_attempt() -> None:
+    async with routed("kvpush") as r:
+        (prefill,), (decode,) = r.cluster.prefills, r.cluster.decodes
+        prefill.fault = Fault(status=400)
+        decode.kv_fallback = True
+        reply = await r.post(PATH, COMPLETION)
+    assert reply.status == 400
