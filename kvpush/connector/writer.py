@@ -229,6 +229,13 @@ class Writer:
             pass
         elif isinstance(message, Registration):
             self._last_seen[message.decode_engine_id] = now
+            problem = self._range_problem(message)
+            if problem is not None:  # refused; the transfer is closed
+                self._counters.add("rejected.out_of_range")
+                tid = message.transfer_id
+                self._drop_all(self._matcher.cancel(tid, problem, now), quiet=True)
+                self._fail(tid, message.decode_engine_id, "rejected", problem)
+                return
             result = self._matcher.add_registration(message, now)
             self._apply(result, None, message.decode_engine_id, now)
         elif isinstance(message, Cancel):
@@ -236,6 +243,16 @@ class Writer:
         else:
             self._counters.add("rejected.unexpected")
             logger.warning("kvpush writer: unexpected %s", type(message).__name__)
+
+    def _range_problem(self, reg: Registration) -> str | None:
+        """Blocks beyond the cache of the decode boot that registered them
+        (checkable once that boot said hello; otherwise at post time)."""
+        peer = self._peers.get(reg.decode_engine_id)
+        if peer is None or peer.boot_id != reg.decode_boot_id:
+            return None
+        if max(reg.dst_block_ids) < peer.layout.num_blocks:
+            return None
+        return f"destination blocks beyond decode's {peer.layout.num_blocks}"
 
     def _cancel(self, route: bytes, cancel: Cancel, now: float) -> None:
         """Decode gave the transfer up: stop it wherever it is, and answer
@@ -316,14 +333,10 @@ class Writer:
             self._counters.add("expired.matched")
             self._end(m.transfer_id, engine, "expired", "matched after its deadline")
             return
-        if max(m.dst_block_ids) >= peer.layout.num_blocks:
+        problem = self._range_problem(m.registration)
+        if problem is not None:
             self._counters.add("rejected.out_of_range")
-            self._end(
-                m.transfer_id,
-                engine,
-                "rejected",
-                f"destination blocks beyond decode's {peer.layout.num_blocks}",
-            )
+            self._end(m.transfer_id, engine, "rejected", problem)
             return
         delay = self._faults.current().delay_post_s
         if delay > 0 and not delayed:
@@ -423,8 +436,11 @@ class Writer:
         if new_boot is None:
             gone = set(self._matcher.ids_for_engine(engine))
         else:
-            gone = {r.transfer_id for r in self._matcher.registrations_of(engine)
-                    if r.decode_boot_id != new_boot}  # fmt: skip
+            gone = {
+                r.transfer_id
+                for r in self._matcher.registrations_of(engine)
+                if r.decode_boot_id != new_boot
+            }
         for tid in gone:
             self._drop_all(self._matcher.cancel(tid, why, now), quiet=True)
 
@@ -432,12 +448,21 @@ class Writer:
             reg = m.registration
             return reg.decode_engine_id == engine and reg.decode_boot_id != new_boot
 
+        def gone_later(kind: str, item: Any) -> bool:
+            if kind == "post":
+                return stale(item)
+            # KV held back by fault injection, for a decode that is dead
+            return new_boot is None and item.ready.decode_engine_id == engine
+
         dropped = [m for m in self._waiting_for_peer if stale(m)]
-        dropped += [i for _, k, i in self._later if k == "post" and stale(i)]
         for m in dropped:
             self._release(m.transfer_id)
+        for _, kind, item in self._later:
+            if gone_later(kind, item):
+                tid = item.transfer_id if kind == "post" else item.ready.transfer_id
+                self._release(tid)
         self._waiting_for_peer = [m for m in self._waiting_for_peer if not stale(m)]
-        self._later = [e for e in self._later if e[2] not in dropped]
+        self._later = [e for e in self._later if not gone_later(e[1], e[2])]
         self._peers.pop(engine, None)
         if new_boot is None:
             self._last_seen.pop(engine, None)

@@ -13,6 +13,7 @@ import pytest
 from kvpush import env
 from kvpush.launcher import ClusterConfig, down, up
 from kvpush.launcher import process as proc
+from kvpush.launcher.cluster import restart
 from kvpush.launcher.state import RunState
 from kvpush.model import ModelSpec, default_model_dir, ensure_model
 from tests.integration import workload
@@ -28,10 +29,19 @@ def model_dir() -> Path:
 class Cluster:
     """A running cluster started for tests."""
 
-    def __init__(self, state: RunState, run_dir: Path) -> None:
+    def __init__(self, state: RunState, run_dir: Path, config: ClusterConfig) -> None:
         self.state = state
         self.run_dir = run_dir
+        self.config = config
         self.url = state.router_url
+
+    def pid(self, name: str) -> int:
+        """The process-group id of process ``name`` (an instance or router)."""
+        return next(p.pid for p in self.state.processes if p.name == name)
+
+    def restart(self, name: str) -> None:
+        """Start process ``name`` again and wait until it serves."""
+        self.state = restart(self.config, name)
 
     def instance_url(self, name: str) -> str:
         """The HTTP URL of instance ``name`` (e.g. ``prefill0``)."""
@@ -61,7 +71,7 @@ def start_cluster(mode: str, model: Path, run_dir: Path, **options: Any) -> Clus
         base_http_port=18500 + 10 * block,
         base_side_channel_port=19000 + 10 * block,
     )
-    cluster = Cluster(up(config), run_dir)
+    cluster = Cluster(up(config), run_dir, config)
     try:
         workload.warm_up(cluster.url)
     except BaseException:
