@@ -11,8 +11,9 @@ them, so each process writes its counts to
 
 The router sums these files into ``kvpush_connector_events_total`` on its
 ``/metrics``; tests and the soak read them directly. The file is rewritten
-atomically at most once per :data:`FLUSH_PERIOD_S` while counts change, and
-on close. Disabled (counting only) when no directory is set.
+atomically at most once per :data:`FLUSH_PERIOD_S` while counts change (a
+timer writes the last change even if the process goes idle), and on close.
+Disabled (counting only) when no directory is set.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Counters:
         self._counts: dict[str, int] = {}
         self._dirty = False
         self._last_flush = 0.0
+        self._timer: threading.Timer | None = None
         self._path: Path | None = None
         if trace_dir:
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
@@ -66,9 +68,14 @@ class Counters:
             return
         now = time.monotonic()
         with self._lock:
-            if not self._dirty or (
-                not force and now - self._last_flush < FLUSH_PERIOD_S
-            ):
+            if not self._dirty:
+                return
+            wait = FLUSH_PERIOD_S - (now - self._last_flush)
+            if not force and wait > 0:
+                if self._timer is None:  # flush later even if nothing else runs
+                    self._timer = threading.Timer(wait, self._flush_later)
+                    self._timer.daemon = True
+                    self._timer.start()
                 return
             self._dirty, self._last_flush = False, now
             body = {
@@ -84,5 +91,14 @@ class Counters:
             except OSError:  # counters must never break the connector
                 self._dirty = True
 
+    def _flush_later(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.maybe_flush()
+
     def close(self) -> None:
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
         self.maybe_flush(force=True)

@@ -32,7 +32,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpush.connector.counters import Counters
-from kvpush.transfer.messages import Message, ProtocolError, decode, encode
+from kvpush.transfer.messages import (
+    MAX_MESSAGE_BYTES,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,9 @@ class Listener:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Larger messages are cut off by ZMQ before they reach memory;
+        # anything over MAX_MESSAGE_BYTES is still counted and dropped.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
         self._sock.bind(f"tcp://{host}:{port}")
         self._on_message = on_message
         self._outbox: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()

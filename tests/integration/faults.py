@@ -1,0 +1,227 @@
+"""Tools of the fault-injection suite: the fault file, the connector's
+counters and trace, client aborts, hostile side-channel input, and waiting
+for an instance to hold no KV blocks."""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvpush.launcher.instances import FAULT_FILE
+from kvpush.transfer.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Cancel,
+    Registration,
+    encode,
+)
+from tests.integration import workload
+from tests.integration.conftest import Cluster
+
+FAULT_RELOAD_S = 0.3  # the connector looks at the fault file every 0.1 s
+
+
+def set_faults(cluster: Cluster, **faults: Any) -> None:
+    """Make the connectors of ``cluster`` misbehave (see kvpush.connector.faults)."""
+    (cluster.run_dir / FAULT_FILE).write_text(json.dumps(faults))
+    time.sleep(FAULT_RELOAD_S)
+
+
+def counters(cluster: Cluster) -> dict[str, collections.Counter[str]]:
+    """The connector counters of every engine, summed over its processes."""
+    out: dict[str, collections.Counter[str]] = collections.defaultdict(
+        collections.Counter
+    )
+    for path in (cluster.run_dir / "traces").glob("counters-*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced right now; the next read gets it
+        out[data["engine_id"]].update(data["counters"])
+    return out
+
+
+def wait_counter(
+    cluster: Cluster, engine: str, name: str, at_least: int, timeout_s: float = 10.0
+) -> int:
+    """Wait until counter ``name`` of ``engine`` reaches ``at_least``; its value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = counters(cluster)[engine][name]
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+def trace_events(cluster: Cluster) -> list[dict[str, Any]]:
+    events = []
+    for path in (cluster.run_dir / "traces").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written
+    return events
+
+
+def transfer_of(cluster: Cluster, client_id: str) -> str | None:
+    """The transfer id of the request sent with X-Request-Id ``client_id``
+    (decode traces it with its leg's request id when it registers)."""
+    for e in trace_events(cluster):
+        if e["event"] == "reg_sent" and client_id in str(e.get("request_id", "")):
+            return str(e["transfer_id"])
+    return None
+
+
+def phases(cluster: Cluster, transfer_id: str) -> set[str]:
+    """The timeline events the transfer reached."""
+    return {
+        e["event"] for e in trace_events(cluster) if e["transfer_id"] == transfer_id
+    }
+
+
+def wait_for(what: Callable[[], Any], timeout_s: float, step_s: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(step_s)
+    return what()
+
+
+def wait_transfer_phase(
+    cluster: Cluster, client_id: str, event: str, timeout_s: float = 20.0
+) -> str:
+    """Wait until the request's transfer reached ``event``; its transfer id."""
+
+    def reached() -> str | None:
+        tid = transfer_of(cluster, client_id)
+        return tid if tid is not None and event in phases(cluster, tid) else None
+
+    tid = wait_for(reached, timeout_s)
+    assert tid, f"request {client_id} never reached {event}"
+    return str(tid)
+
+
+def kill_instance(cluster: Cluster, name: str) -> None:
+    """kill -9 every process of instance ``name`` (API server, engine, worker)."""
+    os.killpg(cluster.pid(name), signal.SIGKILL)
+
+
+def assert_no_blocks_held(cluster: Cluster, timeout_s: float = 30.0) -> None:
+    """Every instance's KV usage returns to 0 (requests all ended)."""
+    names = [p.name for p in cluster.state.processes if p.role != "router"]
+
+    def usage() -> dict[str, float]:
+        return {n: workload.kv_cache_usage(cluster.instance_url(n)) for n in names}
+
+    held = wait_for(lambda: not any(usage().values()), timeout_s, step_s=0.5)
+    assert held, f"KV blocks still held {timeout_s:.0f} s after the fault: {usage()}"
+
+
+def wait_router_routes(cluster: Cluster, timeout_s: float = 30.0) -> None:
+    """The router's /health is 200: it probed every instance healthy."""
+
+    def ok() -> bool:
+        try:
+            url = urllib.parse.urlsplit(cluster.url)
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+
+    assert wait_for(ok, timeout_s, step_s=0.5), "the router never routed again"
+
+
+def start(
+    url: str, path: str, body: dict[str, Any], client_id: str
+) -> http.client.HTTPConnection:
+    """Send a request and return its open connection (see :func:`cut`)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    headers = {"Content-Type": "application/json", "X-Request-Id": client_id}
+    conn.request("POST", path, json.dumps(body), headers)
+    return conn
+
+
+def first_chunk(conn: http.client.HTTPConnection) -> None:
+    """Read a streamed reply's first SSE line."""
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.fp.readline()
+
+
+def cut(conn: http.client.HTTPConnection) -> None:
+    """The client goes away: close the connection mid-request."""
+    assert conn.sock is not None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+def garbage_messages() -> list[list[bytes]]:
+    """One of each kind of hostile side-channel input (frames to send)."""
+    reg = Registration(
+        transfer_id="evil-1",
+        decode_engine_id="evil",
+        decode_boot_id="evil-boot",
+        decode_agent_name="kvpush-evil",
+        dst_block_ids=(2**31 - 1,),
+        num_tokens=16,
+        ttl_s=1.5,
+    )
+    envelope = msgspec.msgpack.encode
+    return [
+        [random.Random(1).randbytes(100)],  # malformed
+        [b""],  # empty
+        [b"\x00" * (MAX_MESSAGE_BYTES + 1)],  # oversized
+        [envelope((PROTOCOL_VERSION + 1, {"type": "registration"}))],  # version
+        [envelope((PROTOCOL_VERSION, {"type": "launch_missiles"}))],  # unknown type
+        [envelope((PROTOCOL_VERSION, {"type": "registration", "x": 1}))],  # invalid
+        [encode(reg), b"extra frame"],  # framing
+        [encode(reg)],  # unknown transfer from an unknown engine, blocks far away
+        [encode(reg)],  # the same again: a duplicate
+        [encode(Cancel(transfer_id="evil-2", engine_id="evil"))],  # unknown transfer
+    ]
+
+
+NUM_MALFORMED = 7  # the messages above that must be rejected as malformed
+
+
+def send_garbage(host: str, port: int, rounds: int) -> None:
+    """``rounds`` bursts of :func:`garbage_messages` to a side channel."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{host}:{port}")
+    try:
+        for _ in range(rounds):
+            for frames in garbage_messages():
+                sock.send_multipart(frames)
+            time.sleep(0.05)
+    finally:
+        sock.close(linger=0)
+
+
+def side_channel(cluster: Cluster, name: str) -> tuple[str, int]:
+    rec = next(p for p in cluster.state.processes if p.name == name)
+    assert rec.side_channel_port is not None
+    return urllib.parse.urlsplit(rec.url).hostname or "127.0.0.1", rec.side_channel_port
+
+
+def read_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []

@@ -1,0 +1,279 @@
+"""Fault injection on a real kvpush 1P1D cluster.
+
+For each fault, every request ends either correct (the same greedy output
+as ``colocated``: text and logprobs) or with a clear OpenAI-shaped error,
+within its deadline; nothing hangs; and afterwards both instances hold no
+KV blocks (vLLM's ``kv_cache_usage_perc`` back to 0).
+
+Deadlines are short so the suite takes minutes: registrations live 8 s,
+finished KV waits 4 s for its registration, a silent decode is dead after
+3 s. Prefill runs 64-token chunks so that a long prompt takes many steps
+(room to kill it mid-prefill). Faults that need no kill use the fault file
+(``kvpush.connector.faults``) on the running cluster; kill tests use
+``kill -9`` on the whole instance and restart it. Tests share one cluster
+and run in file order; each uses prompts no earlier test sent, so that no
+prefix-cache hit on decode skips the transfer under test.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush import client
+from tests.integration import faults, workload
+from tests.integration.conftest import Cluster, start_cluster
+
+pytestmark = pytest.mark.integration
+
+OPTIONS: dict[str, Any] = {
+    "fault_injection": True,
+    "registration_ttl_s": 8.0,
+    "ready_ttl_s": 4.0,
+    "peer_timeout_s": 3.0,
+    "max_num_batched_tokens": 64,
+}
+DEADLINE_S = 60.0  # no request may take longer, whatever the fault
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    c = start_cluster("kvpush", model_dir, tmp_path_factory.mktemp("faults"), **OPTIONS)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_faults_after(cluster: Cluster) -> Iterator[None]:
+    yield
+    faults.set_faults(cluster)
+
+
+def prompt(i: int) -> tuple[str, str, dict[str, Any]]:
+    """Workload prompt ``concurrent-i`` (5 + 47 i words): name, path, body."""
+    name = f"concurrent-{i}"
+    path, body = workload.CONCURRENT[name]
+    return name, path, body
+
+
+def send(cluster: Cluster, i: int, client_id: str = "") -> client.Reply:
+    _, path, body = prompt(i)
+    headers = {"X-Request-Id": client_id or uuid.uuid4().hex}
+    return client.request(cluster.url, path, body, DEADLINE_S, headers)
+
+
+def assert_correct(reference: workload.Outputs, i: int, reply: client.Reply) -> None:
+    name = prompt(i)[0]
+    problem = workload.mismatch(reference[name], reply)
+    assert problem is None, f"{name}: {problem}"
+
+
+def assert_clear_error(reply: client.Reply) -> None:
+    assert reply.status >= 400, reply.status
+    error = reply.body.get("error", {})
+    assert error.get("message") and error.get("type"), reply.body
+
+
+def delta(before: dict[str, Any], cluster: Cluster, engine: str, name: str) -> int:
+    return faults.counters(cluster)[engine][name] - before[engine][name]
+
+
+# -- faults on a running cluster ---------------------------------------------------
+
+
+def test_dropped_registration_falls_back_to_local_prefill(cluster, reference):
+    before = faults.counters(cluster)
+    faults.set_faults(cluster, drop_registrations=True)
+
+    reply = send(cluster, 20)
+
+    assert_correct(reference, 20, reply)
+    # Prefill's KV expired unmatched after 4 s and it told decode then;
+    # decode's own deadline (8 + 5 s) did not have to pass.
+    assert reply.total_s < 8.0, f"took {reply.total_s:.1f} s"
+    expired = before["prefill0"]["expired.ready"] + 1
+    assert faults.wait_counter(cluster, "prefill0", "expired.ready", expired) >= expired
+    assert delta(before, cluster, "decode0", "fallback") >= 1
+    faults.assert_no_blocks_held(cluster)
+
+
+def test_write_delayed_past_its_deadline_falls_back(cluster, reference):
+    before = faults.counters(cluster)
+    faults.set_faults(cluster, delay_post_s=9.0)  # post deadline: 8 - 1 s
+
+    reply = send(cluster, 21)
+
+    assert_correct(reference, 21, reply)
+    assert reply.total_s < 13.0, "decode was told before its own deadline"
+    assert delta(before, cluster, "prefill0", "expired.matched") == 1
+    assert delta(before, cluster, "decode0", "receive_failed.expired") == 1
+    faults.assert_no_blocks_held(cluster)
+
+
+@pytest.mark.parametrize(
+    ("phase", "i", "fault", "wait_event"),
+    [
+        ("immediately", 22, {}, None),
+        ("registered, KV not ready", 23, {"delay_ready_s": 3.0}, "reg_received"),
+        ("matched, before the WRITE", 24, {"delay_post_s": 3.0}, "kv_ready"),
+        ("during decode", 25, {}, None),
+    ],
+)
+def test_client_abort_at_each_phase_frees_both_sides(
+    cluster, phase, i, fault, wait_event
+):
+    before = faults.counters(cluster)
+    faults.set_faults(cluster, **fault)
+    _, path, body = prompt(i)
+    client_id = f"abort-{i}-{uuid.uuid4().hex[:6]}"
+    if phase == "during decode":
+        body = {**body, "stream": True, "max_tokens": 200}
+    conn = faults.start(cluster.url, path, body, client_id)
+    tid = None
+    if wait_event is not None:
+        tid = faults.wait_transfer_phase(cluster, client_id, wait_event)
+    elif phase == "during decode":
+        faults.first_chunk(conn)
+    faults.cut(conn)
+
+    faults.assert_no_blocks_held(cluster)
+    if tid is not None:  # held in that phase: it never got as far as a WRITE
+        assert "write_posted" not in faults.phases(cluster, tid)
+        # decode kept the blocks until prefill answered its Cancel
+        assert delta(before, cluster, "decode0", "aborted.released") == 1
+        assert delta(before, cluster, "prefill0", "cancelled.by_decode") == 1
+
+
+def test_malformed_side_channel_burst_during_load(cluster, reference):
+    before = faults.counters(cluster)
+    host, port = faults.side_channel(cluster, "prefill0")
+    names = [f"concurrent-{i}" for i in range(12)]
+    with ThreadPoolExecutor(len(names) + 1) as pool:
+        burst = pool.submit(faults.send_garbage, host, port, rounds=20)
+        replies = {
+            n: pool.submit(workload.send, cluster.url, *workload.CONCURRENT[n])
+            for n in names
+        }
+        burst.result()
+        problems = {
+            n: workload.mismatch(reference[n], r.result()) for n, r in replies.items()
+        }
+    assert {n: p for n, p in problems.items() if p} == {}
+    rejected = sum(
+        delta(before, cluster, "prefill0", f"rejected.{kind}")
+        for kind in ("malformed", "oversize", "version", "unknown_type")
+    )
+    assert rejected >= 20 * faults.NUM_MALFORMED, faults.counters(cluster)["prefill0"]
+    assert delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
+    faults.assert_no_blocks_held(cluster)
+
+
+# -- kill -9 ------------------------------------------------------------------------
+
+
+def _kill_prefill_then_check(
+    cluster: Cluster,
+    reference: workload.Outputs,
+    i: int,
+    fault: dict[str, Any],
+    wait_event: str,
+) -> set[str]:
+    """Send request ``i``, kill prefill once its transfer reached
+    ``wait_event`` (and before its WRITE), check decode answered correctly
+    alone, restart prefill and check the cluster serves again."""
+    before = faults.counters(cluster)
+    faults.set_faults(cluster, **fault)
+    client_id = f"kill-prefill-{i}-{uuid.uuid4().hex[:6]}"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(send, cluster, i, client_id)
+        tid = faults.wait_transfer_phase(cluster, client_id, wait_event)
+        reached = faults.phases(cluster, tid)
+        faults.kill_instance(cluster, "prefill0")
+        reply = pending.result()
+    assert "write_posted" not in reached, reached
+
+    assert_correct(reference, i, reply)  # decode prefilled it itself
+    assert reply.total_s < 15.0, f"took {reply.total_s:.1f} s"
+    assert delta(before, cluster, "decode0", "receive_failed.peer_lost") >= 1
+    faults.set_faults(cluster)
+    cluster.restart("prefill0")
+    faults.wait_router_routes(cluster)
+    assert_correct(reference, i + 1, send(cluster, i + 1))  # pushed by the new prefill
+    faults.assert_no_blocks_held(cluster)
+    return reached
+
+
+def test_kill_prefill_mid_prefill(cluster, reference):
+    reached = _kill_prefill_then_check(cluster, reference, 30, {}, "reg_received")
+    # The trace shows whether prefill had finished computing when it died.
+    assert "kv_ready" not in reached, f"prefill had finished: {reached}"
+
+
+def test_kill_prefill_with_the_transfer_matched_before_its_write(cluster, reference):
+    reached = _kill_prefill_then_check(
+        cluster, reference, 28, {"delay_post_s": 30.0}, "kv_ready"
+    )
+    assert "reg_received" in reached, reached
+
+
+def test_kill_decode_while_it_waits_for_kv(cluster, reference):
+    before = faults.counters(cluster)
+    faults.set_faults(cluster, delay_ready_s=6.0)
+    client_id = f"kill-decode-{uuid.uuid4().hex[:6]}"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(send, cluster, 18, client_id)
+        faults.wait_transfer_phase(cluster, client_id, "reg_received")
+        faults.kill_instance(cluster, "decode0")
+        reply = pending.result()
+
+    assert_clear_error(reply)  # no other decode to retry on
+    assert reply.total_s < 15.0
+    # Prefill frees the request's blocks on its own (decode went silent).
+    lost = before["prefill0"]["peer_lost"] + 1
+    assert faults.wait_counter(cluster, "prefill0", "peer_lost", lost) >= lost
+    faults.set_faults(cluster)
+    cluster.restart("decode0")
+    faults.wait_router_routes(cluster)
+    assert_correct(reference, 19, send(cluster, 19))  # the new decode boot is served
+    faults.assert_no_blocks_held(cluster)
+
+
+def test_router_restart_with_requests_in_flight(cluster, reference):
+    names = [f"concurrent-{i}" for i in (12, 13, 14, 15, 16, 17)]
+    results: dict[str, Any] = {}
+
+    def run(n: str) -> None:
+        try:
+            results[n] = client.request(
+                cluster.url, *workload.CONCURRENT[n], DEADLINE_S
+            )
+        except (OSError, http.client.HTTPException) as e:  # the router died
+            results[n] = e
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    faults.kill_instance(cluster, "router")
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+
+    faults.assert_no_blocks_held(cluster)  # vLLM aborted the orphaned legs
+    cluster.restart("router")
+    for n, result in results.items():
+        if isinstance(result, client.Reply):  # finished before the kill
+            assert workload.mismatch(reference[n], result) is None
+    assert_correct(reference, 26, send(cluster, 26))
