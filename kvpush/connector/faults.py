@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +86,31 @@ class FaultSource:
             if self._faults != NO_FAULTS:
                 logger.warning("kvpush: FAULT INJECTION active: %s", self._faults)
         return self._faults
+
+
+class HeldBack:
+    """Work the fault file holds back (writer thread): ``(kind, item)``
+    pairs, each until its due time."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[float, str, Any]] = []
+
+    def add(self, due: float, kind: str, item: Any) -> None:
+        self._items.append((due, kind, item))
+
+    def take_due(self, now: float) -> list[tuple[str, Any]]:
+        due = [(k, i) for d, k, i in self._items if d <= now]
+        self._items = [e for e in self._items if e[0] > now]
+        return due
+
+    def take(self, match: Callable[[str, Any], bool]) -> list[tuple[str, Any]]:
+        """Remove and return the held items that ``match``."""
+        taken = [(k, i) for _, k, i in self._items if match(k, i)]
+        self._items = [e for e in self._items if not match(e[1], e[2])]
+        return taken
+
+    def next_due(self) -> float | None:
+        return min((d for d, _, _ in self._items), default=None)
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -28,16 +28,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kvpush.connector.counters import Counters
-from kvpush.connector.faults import FaultSource
+from kvpush.connector.decode_peers import DecodePeer, DecodePeers
+from kvpush.connector.faults import FaultSource, HeldBack
 from kvpush.connector.fence import ReadyFence
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.trace import Tracer
-from kvpush.transfer.coalesce import descriptors, runs
-from kvpush.transfer.layout import KvLayout, compat_problem
+from kvpush.connector.writes import Writes
+from kvpush.transfer.layout import compat_problem
 from kvpush.transfer.matcher import (
     AddResult,
     Dropped,
@@ -49,7 +50,6 @@ from kvpush.transfer.matcher import (
 )
 from kvpush.transfer.messages import (
     Cancel,
-    Done,
     Failure,
     FailureCause,
     Heartbeat,
@@ -57,7 +57,6 @@ from kvpush.transfer.messages import (
     HelloReply,
     Message,
     Registration,
-    encode,
 )
 from kvpush.transfer.work import WorkItem, split_whole
 
@@ -69,27 +68,10 @@ FENCE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
-class _Peer:
-    agent_name: str
-    layout: KvLayout
-    route: bytes  # the decode worker's side-channel socket, for replies
-    boot_id: str
-    metadata: bytes
-
-
-@dataclass(frozen=True)
 class _Ready:
     ready: ReadyKv
     req_id: str
     fence: ReadyFence
-
-
-@dataclass
-class _InFlight:
-    handle: Any
-    req_id: str
-    engine_id: str
-    cancel_route: bytes | None = None  # decode cancelled: answer when over
 
 
 class Writer:
@@ -113,20 +95,16 @@ class Writer:
             tracer,
         )
         self._counters = counters or Counters("", engine_id, "prefill")
-        self._peer_timeout_s = peer_timeout_s
         self._faults = faults or FaultSource("")
-        self._last_seen: dict[str, float] = {}  # decode engine -> last message
-        self._later: list[
-            tuple[float, str, Any]
-        ] = []  # fault delays: (due, kind, item)
+        self._held_back = HeldBack()  # fault injection only
         self._matcher = Matcher(matcher_config)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._peers: dict[str, _Peer] = {}
+        self._peers = DecodePeers(peer_timeout_s)
         self._req_of: dict[str, str] = {}  # transfer id -> prefill request id
         self._fences: dict[str, ReadyFence] = {}
         self._waiting_for_peer: list[Matched] = []
-        self._inflight: dict[str, _InFlight] = {}
+        self._writes = Writes(io, engine_id, tracer)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="kvpush-writer", daemon=True
@@ -184,9 +162,9 @@ class Writer:
                 logger.exception("kvpush writer: unexpected error")
 
     def _wait_s(self) -> float:
-        if self._inflight:
+        if self._writes:
             return INFLIGHT_POLL_S
-        deadlines = [self._matcher.next_deadline()] + [due for due, _, _ in self._later]
+        deadlines = [self._matcher.next_deadline(), self._held_back.next_due()]
         deadline = min((d for d in deadlines if d is not None), default=None)
         if deadline is None:
             return IDLE_WAIT_S
@@ -198,7 +176,7 @@ class Writer:
             self._fences[item.ready.transfer_id] = item.fence
             delay = self._faults.current().delay_ready_s
             if delay > 0:
-                self._later.append((now + delay, "ready", item))
+                self._held_back.add(now + delay, "ready", item)
             else:
                 self._add_ready(item, now)
         elif kind == "cancel":
@@ -212,9 +190,7 @@ class Writer:
         self._apply(result, item.req_id, item.ready.decode_engine_id, now)
 
     def _run_due(self, now: float) -> None:
-        due = [entry for entry in self._later if entry[0] <= now]
-        self._later = [entry for entry in self._later if entry[0] > now]
-        for _, kind, item in due:
+        for kind, item in self._held_back.take_due(now):
             if kind == "ready":
                 self._add_ready(item, now)
             else:
@@ -222,14 +198,14 @@ class Writer:
 
     def _on_message(self, route: bytes, message: Message, now: float) -> None:
         if isinstance(message, Hello | Heartbeat | Cancel):
-            self._last_seen[message.engine_id] = now
+            self._peers.heard(message.engine_id, now)
         if isinstance(message, Hello):
             self._hello(route, message, now)
         elif isinstance(message, Heartbeat):
             pass
         elif isinstance(message, Registration):
-            self._last_seen[message.decode_engine_id] = now
-            problem = self._range_problem(message)
+            self._peers.heard(message.decode_engine_id, now)
+            problem = self._peers.range_problem(message)
             if problem is not None:  # refused; the transfer is closed
                 self._counters.add("rejected.out_of_range")
                 tid = message.transfer_id
@@ -244,32 +220,26 @@ class Writer:
             self._counters.add("rejected.unexpected")
             logger.warning("kvpush writer: unexpected %s", type(message).__name__)
 
-    def _range_problem(self, reg: Registration) -> str | None:
-        """Blocks beyond the cache of the decode boot that registered them
-        (checkable once that boot said hello; otherwise at post time)."""
-        peer = self._peers.get(reg.decode_engine_id)
-        if peer is None or peer.boot_id != reg.decode_boot_id:
-            return None
-        if max(reg.dst_block_ids) < peer.layout.num_blocks:
-            return None
-        return f"destination blocks beyond decode's {peer.layout.num_blocks}"
-
     def _cancel(self, route: bytes, cancel: Cancel, now: float) -> None:
         """Decode gave the transfer up: stop it wherever it is, and answer
         with a Failure once no WRITE of it can land any more."""
         tid = cancel.transfer_id
         self._counters.add("cancelled.by_decode")
-        flight = self._inflight.get(tid)
+        flight = self._writes.get(tid)
         if flight is not None:  # answered when the WRITE ends
             flight.cancel_route = route
             return
         held = [m for m in self._waiting_for_peer if m.transfer_id == tid]
-        held += [i for _, k, i in self._later if k == "post" and i.transfer_id == tid]
+        held += [
+            m
+            for _, m in self._held_back.take(
+                lambda kind, m: kind == "post" and m.transfer_id == tid
+            )
+        ]
         if held:
             self._waiting_for_peer = [
                 m for m in self._waiting_for_peer if m not in held
             ]
-            self._later = [e for e in self._later if e[2] not in held]
             self._release(tid)
         else:
             self._drop_all(self._matcher.cancel(tid, cancel.reason, now), quiet=True)
@@ -284,13 +254,14 @@ class Writer:
         if problem is None and (known is None or known.metadata != hello.nixl_metadata):
             try:
                 agent = self._io.load_peer(hello.agent_name, hello.nixl_metadata)
-                self._peers[hello.engine_id] = _Peer(
+                peer = DecodePeer(
                     agent, hello.layout, route, hello.boot_id, hello.nixl_metadata
                 )
+                self._peers.add(hello.engine_id, peer)
             except Exception as e:  # bad metadata is the peer's problem
                 problem = f"cannot load NIXL metadata: {e}"
         elif problem is None and known is not None:  # same decode, new socket
-            self._peers[hello.engine_id] = replace(known, route=route)
+            self._peers.reroute(hello.engine_id, route)
         reply = HelloReply(
             engine_id=self._engine_id, accepted=problem is None, reason=problem or ""
         )
@@ -333,14 +304,14 @@ class Writer:
             self._counters.add("expired.matched")
             self._end(m.transfer_id, engine, "expired", "matched after its deadline")
             return
-        problem = self._range_problem(m.registration)
+        problem = self._peers.range_problem(m.registration)
         if problem is not None:
             self._counters.add("rejected.out_of_range")
             self._end(m.transfer_id, engine, "rejected", problem)
             return
         delay = self._faults.current().delay_post_s
         if delay > 0 and not delayed:
-            self._later.append((now + delay, "post", m))
+            self._held_back.add(now + delay, "post", m)
             return
         fence = self._fences.pop(m.transfer_id, None)
         if fence is not None and not fence.wait(FENCE_TIMEOUT_S):
@@ -351,36 +322,15 @@ class Writer:
         )
         self._post_item(item, peer, engine)
 
-    def _post_item(self, item: WorkItem, peer: _Peer, engine: str) -> None:
-        """One WRITE for one work item (a block range x a layer range);
-        the transfer's last item carries the Done notification."""
-        done = Done(
-            transfer_id=item.transfer_id,
-            engine_id=self._engine_id,
-            num_blocks=item.num_blocks,
-        )
-        notif = encode(done) if item.notify else b""
-        try:  # a block outside either cache makes descriptors() raise
-            block_runs = runs(item.src_block_ids, item.dst_block_ids)
-            layouts = (self._io.layout, peer.layout)
-            src, dst = descriptors(block_runs, *layouts, item.layers)
-            handle = self._io.write(src, dst, peer.agent_name, notif)
+    def _post_item(self, item: WorkItem, peer: DecodePeer, engine: str) -> None:
+        req_id = self._req_of.get(item.transfer_id, "")
+        try:
+            self._writes.post(item, peer, req_id, engine)
         except Exception as e:
             self._end(item.transfer_id, engine, "write_failed", str(e))
-            return
-        req_id = self._req_of.get(item.transfer_id, "")
-        self._inflight[item.transfer_id] = _InFlight(handle, req_id, engine)
-        sizes = {"num_descs": len(src), "num_runs": len(block_runs)}
-        self._tracer.mark(
-            item.transfer_id, "write_posted", **sizes, num_blocks=item.num_blocks
-        )
 
     def _poll_inflight(self) -> None:
-        for tid, flight in list(self._inflight.items()):
-            state = self._io.poll(flight.handle)
-            if state == "PROC":
-                continue
-            del self._inflight[tid]
+        for tid, flight, state in self._writes.poll():
             if state == "DONE":
                 self._tracer.mark(tid, "write_done")
                 self._release(tid)
@@ -411,19 +361,12 @@ class Writer:
                 "expired",
                 "decode never said hello",
             )
-        for engine in self._silent_decodes(now):
-            self._forget(engine, f"no message for {self._peer_timeout_s:.0f} s", now)
-
-    def _silent_decodes(self, now: float) -> set[str]:
-        """Decodes with transfers here that have not been heard from for the
-        peer timeout (they send a heartbeat every second while waiting)."""
+        # Decodes with transfers here beat every second while they wait.
         engines = self._matcher.engines_with_registrations()
         engines |= {m.registration.decode_engine_id for m in self._waiting_for_peer}
-        return {
-            e
-            for e in engines
-            if now - self._last_seen.get(e, now) > self._peer_timeout_s
-        }
+        for engine in self._peers.silent(engines, now):
+            why = f"no message for {self._peers.timeout_s:.0f} s"
+            self._forget(engine, why, now)
 
     def _forget(
         self, engine: str, why: str, now: float, new_boot: str | None = None
@@ -454,18 +397,14 @@ class Writer:
             # KV held back by fault injection, for a decode that is dead
             return new_boot is None and item.ready.decode_engine_id == engine
 
-        dropped = [m for m in self._waiting_for_peer if stale(m)]
-        for m in dropped:
+        for m in [m for m in self._waiting_for_peer if stale(m)]:
             self._release(m.transfer_id)
-        for _, kind, item in self._later:
-            if gone_later(kind, item):
-                tid = item.transfer_id if kind == "post" else item.ready.transfer_id
-                self._release(tid)
         self._waiting_for_peer = [m for m in self._waiting_for_peer if not stale(m)]
-        self._later = [e for e in self._later if not gone_later(e[1], e[2])]
-        self._peers.pop(engine, None)
-        if new_boot is None:
-            self._last_seen.pop(engine, None)
+        for kind, item in self._held_back.take(gone_later):
+            self._release(
+                item.transfer_id if kind == "post" else item.ready.transfer_id
+            )
+        self._peers.forget(engine, dead=new_boot is None)
 
     def _drop_all(
         self, dropped: tuple[Dropped, ...] | list[Dropped], quiet: bool = False

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvpush.connector.counters import Counters
 from kvpush.connector.side_channel import Listener, Peers
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
@@ -187,3 +188,49 @@ def test_peers_receive_drops_malformed_replies(peers):
         assert got == [HelloReply(engine_id="p0", accepted=True)]
     finally:
         router.close(linger=0)
+
+
+def test_with_a_shared_secret_only_sealed_messages_get_through():
+    inbox = Inbox()
+    port = free_port()
+    counters = Counters("", "p0", "prefill")
+    listener = Listener(HOST, port, inbox, counters, secret=b"s3cret")
+    good, wrong, plain = Peers(b"s3cret"), Peers(b"guess"), Peers()
+    try:
+        wrong.send(HOST, port, registration("t-wrong"))
+        plain.send(HOST, port, registration("t-plain"))
+        good.send(HOST, port, registration("t-good"))
+
+        route, message = inbox.next()
+        assert message == registration("t-good")
+        # the wrong MAC, and the unsealed message (no MAC at all)
+        assert wait_for(lambda: counters.get("rejected.auth") == 2, WAIT_S)
+        assert listener.num_rejected == 2
+        listener.reply(route, HelloReply(engine_id="p0", accepted=True))
+        got: list[Message] = []
+        assert wait_for(lambda: got.extend(good.receive()) or got, WAIT_S)
+        assert got == [HelloReply(engine_id="p0", accepted=True)]
+        assert inbox.items.empty()
+    finally:
+        for p in (good, wrong, plain):
+            p.close()
+        listener.close()
+
+
+def test_peers_report_a_connection_coming_up_and_going_down(peers):
+    port = free_port()
+    monitored = Peers(monitor=True)
+    listener = Listener(HOST, port, Inbox())
+    try:
+        monitored.send(HOST, port, registration())
+        events: list = []
+        assert wait_for(lambda: events.extend(monitored.connection_events()) or events)
+        assert events[0].up and events[0].address == (HOST, port)
+        listener.close()
+        down: list = []
+        assert wait_for(
+            lambda: down.extend(monitored.connection_events()) or down, WAIT_S
+        )
+        assert not down[0].up
+    finally:
+        monitored.close()

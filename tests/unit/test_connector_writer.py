@@ -200,9 +200,10 @@ class Rig:
     def held(self) -> dict[str, int]:
         """What the writer still holds besides its known peers (and when it
         last heard from each)."""
-        held = leftovers(self.writer, ignore={"_peers", "_last_seen"})
-        if len(self.writer._matcher):
-            held["matcher"] = len(self.writer._matcher)
+        held = leftovers(self.writer)
+        for name in ("_matcher", "_writes", "_held_back"):
+            if len(getattr(self.writer, name)):
+                held[name] = len(getattr(self.writer, name))
         return held
 
     def close(self) -> None:
