@@ -163,6 +163,7 @@ class KvPushScheduler:
         self._find_last_chunks(scheduler_output.num_scheduled_tokens)
         self._mark_first_decode_steps(scheduler_output.num_scheduled_tokens)
         meta, self._meta = self._meta, KvPushMetadata()
+        self._peers.receive()  # prefill's answers to our Cancels: nothing to do
         self.counters.maybe_flush()
         return meta
 
