@@ -75,6 +75,16 @@ class NixlIO:
             self._agent.release_xfer_handle(handle)
         return state
 
+    def cancel(self, handle: Any) -> bool:
+        """Try to cancel a WRITE in flight; True if NIXL cancelled (or had
+        finished) it and released the handle, False if it could not."""
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:  # NIXL: "cannot be canceled"; the handle stays
+            logger.warning("kvpush: NIXL could not cancel a WRITE: %s", e)
+            return False
+        return True
+
     def notifications(self) -> list[bytes]:
         """Notification payloads received since the last call."""
         notifs = self._agent.get_new_notifs()

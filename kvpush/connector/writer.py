@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.1  # longest sleep when nothing is in flight
 INFLIGHT_POLL_S = 0.0005  # poll period while a WRITE is in flight
 FENCE_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 30.0  # a WRITE in flight longer than this is cancelled
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Writer:
         counters: Counters | None = None,
         peer_timeout_s: float = 10.0,
         faults: FaultSource | None = None,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
     ) -> None:
         self._io, self._engine_id, self._reply, self._tracer = (
             io,
@@ -104,7 +106,7 @@ class Writer:
         self._req_of: dict[str, str] = {}  # transfer id -> prefill request id
         self._fences: dict[str, ReadyFence] = {}
         self._waiting_for_peer: list[Matched] = []
-        self._writes = Writes(io, engine_id, tracer)
+        self._writes = Writes(io, engine_id, tracer, write_timeout_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="kvpush-writer", daemon=True
@@ -325,7 +327,7 @@ class Writer:
     def _post_item(self, item: WorkItem, peer: DecodePeer, engine: str) -> None:
         req_id = self._req_of.get(item.transfer_id, "")
         try:
-            self._writes.post(item, peer, req_id, engine)
+            self._writes.post(item, peer, req_id, engine, time.monotonic())
         except Exception as e:
             self._end(item.transfer_id, engine, "write_failed", str(e))
 
@@ -352,6 +354,15 @@ class Writer:
 
     def _expire(self, now: float) -> None:
         self._drop_all(self._matcher.expire(now))
+        for tid, flight in self._writes.cancel_overdue(now):
+            self._counters.add("expired.write")
+            self._end(
+                tid,
+                flight.engine_id,
+                "write_failed",
+                "the WRITE did not end in time and was cancelled",
+                flight.cancel_route,
+            )
         for m in [m for m in self._waiting_for_peer if now > m.post_deadline]:
             self._waiting_for_peer.remove(m)
             self._counters.add("expired.no_hello")

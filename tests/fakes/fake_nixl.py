@@ -57,6 +57,7 @@ class WriteRecord:
     states: deque[str] = field(repr=False)
     num_polls: int = 0
     released: bool = False
+    cancelled: bool = False
 
     @property
     def message(self) -> Message:
@@ -76,6 +77,7 @@ class FakeNixlIO:
         self.loaded_peers: list[str] = []
         self.misuse: list[str] = []
         self.closed = False
+        self.cancellable = True  # False: NIXL cannot cancel a WRITE in flight
         self._lock = threading.Lock()
         self._poll_script: tuple[str, ...] = ("DONE",)
         self._write_errors: deque[Exception] = deque()
@@ -152,6 +154,17 @@ class FakeNixlIO:
         if state == "DONE" and peer is not None and record.notif:
             peer.deliver(record.notif)
         return state
+
+    def cancel(self, handle: Any) -> bool:
+        with self._lock:
+            record: WriteRecord = handle
+            if record.released:
+                self.misuse.append("cancel of a released handle")
+                return False
+            if not self.cancellable:
+                return False
+            record.released = record.cancelled = True
+            return True
 
     def notifications(self) -> list[bytes]:
         with self._lock:

@@ -215,3 +215,40 @@ def test_fault_file_delay_ready_holds_the_kv_before_the_match(tmp_path: Path):
         assert PREFILL
     finally:
         rig.close()
+
+
+def test_a_write_stuck_past_its_deadline_is_cancelled_then_freed():
+    rig = Rig()
+    rig.writer._writes._timeout_s = 0.2
+    try:
+        rig.io.script_polls(*["PROC"] * 100_000, "DONE")
+        rig.hello()
+        rig.register()
+        rig.ready()
+
+        assert rig.wait_finished("req-1", timeout_s=2.0)
+        (write,) = rig.io.writes_snapshot()
+        assert write.cancelled, "blocks freed only once NIXL cancelled the WRITE"
+        assert failures(rig)[0].cause == "write_failed"
+        assert rig.counters.get("expired.write") == 1
+    finally:
+        rig.close()
+
+
+def test_a_write_nixl_cannot_cancel_keeps_its_blocks():
+    rig = Rig()
+    rig.writer._writes._timeout_s = 0.1
+    try:
+        rig.io.cancellable = False
+        rig.io.script_polls(*["PROC"] * 3000, "DONE")  # ends after a second or so
+        rig.hello()
+        rig.register()
+        rig.ready()
+        assert wait_for(lambda: rig.io.writes_snapshot())
+        time.sleep(0.3)
+        assert not rig.wait_finished("req-1", timeout_s=0.01), "still in flight"
+
+        assert rig.wait_finished("req-1", timeout_s=5.0)  # freed when it ends
+        assert failures(rig) == []
+    finally:
+        rig.close()
