@@ -1,5 +1,5 @@
 # The two commands: `make demo` and `make test`. Both set up .venv if needed.
-.PHONY: demo test unit integration lint venv clean bench
+.PHONY: demo test unit integration lint venv clean bench soak
 
 VENV := .venv/.kvpush-installed
 PY := .venv/bin/python
@@ -15,6 +15,11 @@ demo: $(VENV)
 # Reproduces BENCHMARKS.md and docs/bench/*.png (about 7 minutes).
 bench: $(VENV)
 	$(PY) -m kvpush bench --publish
+
+# 10 minutes of load with client aborts; fails if a request is lost or a KV
+# block leaks. Writes the soak section of BENCHMARKS.md (about 12 minutes).
+soak: $(VENV)
+	$(PY) -m kvpush soak --duration-s 600 --publish
 
 lint: $(VENV)
 	.venv/bin/ruff check kvpush tests

@@ -1,4 +1,4 @@
-"""The ``kvpush`` command: make-model, up, down, status, router, bench."""
+"""The ``kvpush`` command: make-model, up, down, status, router, bench, soak."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from kvpush.topology import MODES
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["soak"]:  # the soak parses its own options
+        from kvpush.bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -54,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_router_health_options(router)
     router.set_defaults(func=_cmd_router)
     add_bench_parser(sub)
+    soak = sub.add_parser(
+        "soak",
+        help="sustained load with client aborts: nothing lost, nothing leaked",
+        add_help=False,  # its own parser (kvpush.bench.soak) answers --help
+    )
+    soak.set_defaults(func=None)  # handed over whole in main()
     return parser
 
 

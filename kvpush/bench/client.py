@@ -3,9 +3,12 @@
 :func:`send` posts one request to ``/v1/completions`` through the router and
 returns its :class:`RequestRecord`, whatever happens: an HTTP error, a broken
 connection, an error event in the stream, a stream cut short or the
-deadline passing all end as a record whose ``error`` says which. A chunk
-counts as a token when it carries a choice (its text may be empty: a
-byte-level token can end mid-character); the usage chunk does not.
+deadline passing all end as a record whose ``error`` says which, and whose
+``error_message`` is set when the server explained the error in OpenAI's
+shape (``{"error": {"message": ...}}``). A chunk counts as a token when it
+carries a choice (its text may be empty: a byte-level token can end
+mid-character); the usage chunk does not. The choice's ``finish_reason``
+is kept.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ async def _exchange(
         if resp.status != 200:
             text = await resp.text(errors="replace")
             _fail(record, f"http_{resp.status}", text)
+            _note_error_message(record, _decode(text.encode()))
             return
         await _read_stream(resp, record, start)
 
@@ -102,9 +106,12 @@ async def _read_stream(
         event = _decode(payload)
         if event is None or "error" in event:
             _fail(record, STREAM_ERROR, payload.decode(errors="replace"))
+            _note_error_message(record, event)
             return
-        if event.get("choices"):
+        choices = event.get("choices")
+        if choices:
             record.token_times_s.append(now)
+            _note_finish(record, choices)
         _note_usage(record, event.get("usage"))
     _fail(record, INCOMPLETE, "the stream ended without [DONE]")
 
@@ -115,6 +122,26 @@ def _decode(payload: bytes) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return event if isinstance(event, dict) else None
+
+
+def openai_error_message(body: dict[str, Any] | None) -> str | None:
+    """The message of an OpenAI-shaped error, ``{"error": {"message": ...}}``
+    (None for anything else)."""
+    error = body.get("error") if body is not None else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None
+
+
+def _note_error_message(record: RequestRecord, body: dict[str, Any] | None) -> None:
+    message = openai_error_message(body)
+    record.error_message = None if message is None else message[:_MAX_DETAIL]
+
+
+def _note_finish(record: RequestRecord, choices: Any) -> None:
+    last = choices[-1] if isinstance(choices, list) else None
+    reason = last.get("finish_reason") if isinstance(last, dict) else None
+    if isinstance(reason, str) and reason:
+        record.finish_reason = reason
 
 
 def _note_usage(record: RequestRecord, usage: Any) -> None:

@@ -1,6 +1,8 @@
 """Files a run leaves behind, rendered from ``summary.json`` and the raw
 ``requests.jsonl``: ``report.md`` and the plots; and, with ``--publish``,
-``BENCHMARKS.md`` plus ``docs/bench/*.png`` in a repository checkout."""
+``BENCHMARKS.md`` plus ``docs/bench/*.png`` in a repository checkout.
+Sections that other tools publish into ``BENCHMARKS.md`` (the soak's) are
+carried over from the old file."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ from pathlib import Path
 from kvpush.bench.plots import write_plots
 from kvpush.bench.records import REQUESTS_FILE, RequestRecord, read_records
 from kvpush.bench.report import render_report
+from kvpush.bench.sections import carry_sections
 from kvpush.bench.summary import BenchSummary
 from kvpush.bench.timeline import Timeline, match_by_time, read_timelines
 
 REPORT_FILE = "report.md"
 BENCHMARKS_FILE = "BENCHMARKS.md"
 PUBLISHED_IMAGES = Path("docs") / "bench"
+KEPT_SECTIONS = ("soak",)  # written by python -m kvpush.bench.soak --publish
 
 BENCHMARKS_PREAMBLE = """\
 The latest `kvpush bench` run on this project's development machine, generated
@@ -74,7 +78,8 @@ def write_outputs(out_dir: Path, summary: BenchSummary) -> list[Path]:
 
 
 def publish(out_dir: Path, summary: BenchSummary, root: Path) -> list[Path]:
-    """Write ``root/BENCHMARKS.md`` and copy the plots to ``root/docs/bench``."""
+    """Write ``root/BENCHMARKS.md`` (keeping its soak section) and copy the
+    plots to ``root/docs/bench``."""
     images = root / PUBLISHED_IMAGES
     images.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -89,5 +94,6 @@ def publish(out_dir: Path, summary: BenchSummary, root: Path) -> list[Path]:
         image_dir=PUBLISHED_IMAGES.as_posix(),
     )
     benchmarks = root / BENCHMARKS_FILE
-    benchmarks.write_text(text)
+    old = benchmarks.read_text() if benchmarks.exists() else ""
+    benchmarks.write_text(carry_sections(old, text, KEPT_SECTIONS))
     return [benchmarks, *copied]

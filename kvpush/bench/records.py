@@ -1,7 +1,9 @@
 """The raw per-request record: what the client saw, one JSONL line each.
 
 Every request the benchmark sends gets exactly one record, failed or not:
-``error`` names what went wrong (``None`` when it succeeded). Times are in
+``error`` names what went wrong (``None`` when it succeeded), and
+``error_message`` holds the message of an OpenAI-shaped error (an error
+body, or an error event in the stream) when the server sent one. Times are in
 seconds; ``token_times_s`` holds, for each streamed chunk that carried a
 generated token, its arrival as an offset from the send.
 """
@@ -38,6 +40,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     status: int = 0  # HTTP status (0: no response)
     error: str | None = None
     error_detail: str | None = None
+    error_message: str | None = None  # from an OpenAI-shaped error, if any
+    finish_reason: str | None = None  # of the last choice that carried one
     token_times_s: list[float] = msgspec.field(default_factory=list)
     end_s: float | None = None  # offset from send when the response ended
     prompt_tokens: int | None = None  # as the server counted them (usage)

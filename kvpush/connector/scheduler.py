@@ -212,7 +212,8 @@ class KvPushScheduler:
         """Keep a request's blocks while a push into or out of them may still
         be under way."""
         rid = request.request_id
-        leg = self._legs.pop(rid, None)
+        leg = self.leg(request)  # parsed here if vLLM never scheduled it
+        self._legs.pop(rid, None)
         state = self._prefills.pop(rid, None)
         self._local_hits.pop(rid, None)
         self._awaiting_first_step.pop(rid, None)

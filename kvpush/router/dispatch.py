@@ -55,9 +55,11 @@ async def serve(ctx: FlowContext) -> web.StreamResponse:
         logger.info("request %s: client disconnected", ctx.request_id)
         raise
     finally:
-        await ctx.legs.abort()
         elapsed = time.monotonic() - ctx.started_at
         ctx.metrics.request_finished(ctx.parsed.endpoint, status, elapsed)
+        # A client that hangs up right after the last byte cancels this
+        # handler; the legs must still be closed (vLLM frees on close).
+        await asyncio.shield(ctx.legs.abort())
 
 
 async def _run_flow(ctx: FlowContext, flow: Flow) -> tuple[web.StreamResponse, str]:

@@ -257,6 +257,18 @@ def test_decode_request_aborted_while_receiving_keeps_its_blocks(decode):
     assert leftovers(sched) == {}
 
 
+def test_decode_request_aborted_before_it_was_ever_scheduled_cancels(decode):
+    """Found by the soak: a request aborted while still queued never met the
+    connector before ``request_finished``; prefill must still be told."""
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+
+    assert sched.request_finished(req) == (False, None)
+
+    assert [c.transfer_id for c in peers.messages(Cancel)] == ["t1"]
+    assert leftovers(sched) == {}
+
+
 def test_decode_request_aborted_before_allocation_cancels_the_transfer(decode):
     sched, peers = decode
     req = FakeRequest("r1", DECODE_PARAMS)

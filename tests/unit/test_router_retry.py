@@ -262,3 +262,44 @@ async def test_kvpush_prefill_answering_an_error_still_fails_the_attempt() -> No
         decode.kv_fallback = True
         reply = await r.post(PATH, COMPLETION)
     assert reply.status == 400
+
+
+async def test_a_client_hanging_up_at_the_end_is_counted_and_its_legs_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the soak: a client closing right after the last byte cancels
+    the handler while it closes the legs; the request must still be counted
+    finished and every leg closed."""
+    from kvpush.router import context
+
+    original = context.Legs.abort
+    closed: list[bool] = []
+
+    async def slow_abort(self: context.Legs) -> None:
+        await asyncio.sleep(0.2)  # the window the client hangs up in
+        await original(self)
+        closed.append(True)
+
+    monkeypatch.setattr(context.Legs, "abort", slow_abort)
+    async with routed("kvpush") as r:
+        host, port = r.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        payload = msgspec.json.encode(STREAM)
+        writer.write(
+            f"POST {PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        received = b""
+        while b"[DONE]" not in received:
+            received += await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()  # hang up at once, as an HTTP client may
+        for _ in range(50):
+            in_flight = await _metric(
+                r, 'kvpush_router_requests_in_flight{mode="kvpush"}'
+            )
+            if in_flight == 0 and closed:
+                break
+            await asyncio.sleep(0.05)
+    assert in_flight == 0
+    assert closed == [True]

