@@ -86,6 +86,15 @@ def assert_clear_error(reply: client.Reply) -> None:
     assert error.get("message") and error.get("type"), reply.body
 
 
+def assert_pushed(cluster: Cluster, reference: workload.Outputs, i: int) -> None:
+    """Request ``i`` is answered correctly through a push, not a fallback."""
+    time.sleep(1.0)  # let earlier counts reach their files
+    before = faults.counters(cluster)["decode0"]["fallback"]
+    assert_correct(reference, i, send(cluster, i))
+    time.sleep(1.0)
+    assert faults.counters(cluster)["decode0"]["fallback"] == before, "fell back"
+
+
 def delta(before: dict[str, Any], cluster: Cluster, engine: str, name: str) -> int:
     """How much counter ``name`` of ``engine`` grew since ``before``, waiting
     (up to 10 s) for it to grow at all: counters reach their file lazily."""
@@ -217,7 +226,7 @@ def _kill_prefill_then_check(
     faults.set_faults(cluster)
     cluster.restart("prefill0")
     faults.wait_router_routes(cluster)
-    assert_correct(reference, i + 1, send(cluster, i + 1))  # pushed by the new prefill
+    assert_pushed(cluster, reference, i + 1)  # by the new prefill
     faults.assert_no_blocks_held(cluster)
     return reached
 
@@ -252,7 +261,7 @@ def test_kill_decode_while_it_waits_for_kv(cluster, reference):
     faults.set_faults(cluster)
     cluster.restart("decode0")
     faults.wait_router_routes(cluster)
-    assert_correct(reference, 19, send(cluster, 19))  # the new decode boot is served
+    assert_pushed(cluster, reference, 19)  # into the new decode boot
     faults.assert_no_blocks_held(cluster)
 
 
