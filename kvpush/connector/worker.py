@@ -143,6 +143,9 @@ class KvPushWorker:
         """Take this step's instructions (before the forward)."""
         self._meta = meta
         now = time.monotonic()
+        # Connection news from before these expects (e.g. a prefill that
+        # died and came back while this engine was idle) must not fail them.
+        self._watch_connections()
         for expect in meta.expects:
             self._receiver.expect(expect, now)
             self._greet((expect.prefill_host, expect.prefill_port))

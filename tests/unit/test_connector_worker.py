@@ -301,6 +301,24 @@ def test_a_lost_prefill_connection_fails_its_receives_then_greets_again(decode):
     assert_idle(decode.worker)
 
 
+def test_old_connection_news_does_not_fail_a_new_receive(decode: Decode):
+    """Found by the fault suite: a prefill died and came back while decode
+    was idle; the queued "down" events predate the next request's expect."""
+    decode.peers.connection(PREFILL_ADDR, up=True)
+    decode.step()
+    decode.peers.connection(PREFILL_ADDR, up=False)  # prefill killed
+    decode.peers.connection(PREFILL_ADDR, up=False)  # reconnect attempts
+    decode.peers.connection(PREFILL_ADDR, up=True)  # the new prefill
+
+    decode.expect()
+
+    assert decode.step() == set()
+    assert decode.worker.take_load_errors() == set()
+    decode.done()
+    assert decode.step() == {"r1"}
+    assert decode.peers.messages(Hello)[-1] == decode.worker._hello, "greeted anew"
+
+
 def test_a_prefill_that_never_connects_fails_the_receive(decode: Decode):
     decode.expect()
     decode.peers.connection(PREFILL_ADDR, up=False)  # connect attempt refused
