@@ -250,7 +250,9 @@ def test_kill_decode_while_it_waits_for_kv(cluster, reference):
     client_id = f"kill-decode-{uuid.uuid4().hex[:6]}"
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(send, cluster, 18, client_id)
-        faults.wait_transfer_phase(cluster, client_id, "reg_received")
+        # Prefill has computed the KV (held back by the fault) and holds the
+        # registration: only decode's silence can free them now.
+        faults.wait_transfer_phase(cluster, client_id, "kv_ready")
         faults.kill_instance(cluster, "decode0")
         reply = pending.result()
 
