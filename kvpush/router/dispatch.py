@@ -28,7 +28,7 @@ from aiohttp import web
 
 from kvpush.router.context import ClientGone, FlowContext
 from kvpush.router.errors import RouterError, upstream_timeout
-from kvpush.router.legs import open_first, run_prefill
+from kvpush.router.legs import is_connection_lost, open_first, run_prefill
 from kvpush.router.relay import relay, reply_error
 from kvpush.router.requests import PushDecodeParams, returned_kv_params
 from kvpush.router.selection import has_every_role
@@ -240,8 +240,8 @@ async def _await_decode_start(
         prefill_error = prefill_task.exception()
         survivable = (
             decode_survives
-            and isinstance(prefill_error, RouterError)
-            and prefill_error.kind == "unreachable"
+            and prefill_error is not None
+            and is_connection_lost(prefill_error)
         )
         if prefill_error is not None and not survivable:
             raise prefill_error

@@ -116,6 +116,18 @@ def is_connect_failure(e: aiohttp.ClientError) -> bool:
     )
 
 
+def is_connection_lost(err: BaseException) -> bool:
+    """Whether a leg's error says its connection broke (refused, reset,
+    closed, or cut off mid-answer), as opposed to an answer the backend gave:
+    what a dead instance looks like."""
+    if isinstance(err, RouterError) and err.kind == "unreachable":
+        return True
+    cause = err.__cause__
+    return isinstance(cause, aiohttp.ClientError) and (
+        is_connect_failure(cause) or isinstance(cause, aiohttp.ClientPayloadError)
+    )
+
+
 def leg_failure(
     leg: str, backend: Backend, e: aiohttp.ClientError, is_before_answer: bool = False
 ) -> RouterError:

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from kvpush import client
+from kvpush.launcher import process as proc
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
 
@@ -56,9 +57,14 @@ def cluster(
 
 
 @pytest.fixture(autouse=True)
-def no_faults_after(cluster: Cluster) -> Iterator[None]:
+def clean_slate_after(cluster: Cluster) -> Iterator[None]:
+    """After each test: no faults, and every process running again (a kill
+    test that failed before its restart must not fail the tests after it)."""
     yield
     faults.set_faults(cluster)
+    for rec in cluster.state.processes:
+        if not proc.is_alive(rec.pid):
+            cluster.restart(rec.name)
 
 
 def prompt(i: int) -> tuple[str, str, dict[str, Any]]:

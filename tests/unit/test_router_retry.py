@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -303,3 +304,19 @@ async def test_a_client_hanging_up_at_the_end_is_counted_and_its_legs_closed(
             await asyncio.sleep(0.05)
     assert in_flight == 0
     assert closed == [True]
+
+
+def test_only_a_broken_connection_counts_as_a_lost_prefill() -> None:
+    """kvpush's decode can fall back only when prefill is gone, not when it
+    answered with an error (it is alive, and decode would wait it out)."""
+    from kvpush.router.errors import bad_gateway
+    from kvpush.router.legs import is_connection_lost, leg_failure
+
+    cut = aiohttp.ClientPayloadError("Response payload is not completed")
+    try:
+        raise leg_failure("prefill", P0, cut) from cut
+    except RouterError as e:
+        assert is_connection_lost(e)
+    assert is_connection_lost(unreachable("prefill", P0, "refused"))
+    assert not is_connection_lost(_from_backend(500))
+    assert not is_connection_lost(bad_gateway("prefill", P0, "not JSON"))
