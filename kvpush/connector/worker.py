@@ -143,8 +143,9 @@ class KvPushWorker:
         """Take this step's instructions (before the forward)."""
         self._meta = meta
         now = time.monotonic()
-        # Connection news from before these expects (e.g. a prefill that
-        # died and came back while this engine was idle) must not fail them.
+        # Connection news, read here once per step: it predates these
+        # expects (e.g. a prefill that died and came back while this engine
+        # was idle) and must not fail them.
         self._watch_connections()
         for expect in meta.expects:
             self._receiver.expect(expect, now)
@@ -211,7 +212,6 @@ class KvPushWorker:
                 self._tracer.mark(msg.transfer_id, "notif_received")
                 self._receiver.done(msg.transfer_id, now)
         self._read_replies()
-        self._watch_connections()
         self._receiver.expire(now)
         self._heartbeat(now)
         results = self._receiver.take()
@@ -245,8 +245,10 @@ class KvPushWorker:
             self._receiver.peer_lost(event.address)
 
     def _heartbeat(self, now: float) -> None:
+        if now < self._next_heartbeat:
+            return
         awaited = self._receiver.awaited()
-        if now < self._next_heartbeat or not awaited:
+        if not awaited:
             return
         self._next_heartbeat = now + self.config.heartbeat_s
         beat = Heartbeat(engine_id=self.config.engine_id, boot_id=self.config.boot_id)

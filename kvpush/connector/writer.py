@@ -245,7 +245,9 @@ class Writer:
             self._release(tid)
         else:
             self._drop_all(self._matcher.cancel(tid, cancel.reason, now), quiet=True)
-        self._answer(route, tid, "cancelled", f"cancelled by decode: {cancel.reason}")
+        self._send_failure(
+            route, tid, "cancelled", f"cancelled by decode: {cancel.reason}"
+        )
 
     def _hello(self, route: bytes, hello: Hello, now: float) -> None:
         known = self._peers.get(hello.engine_id)
@@ -337,7 +339,7 @@ class Writer:
                 self._tracer.mark(tid, "write_done")
                 self._release(tid)
                 if flight.cancel_route is not None:
-                    self._answer(
+                    self._send_failure(
                         flight.cancel_route,
                         tid,
                         "cancelled",
@@ -470,13 +472,10 @@ class Writer:
         if route is not None:
             self._send_failure(route, tid, cause, detail)
 
-    def _answer(self, route: bytes, tid: str, cause: FailureCause, detail: str) -> None:
-        """Prefill's final word on a cancelled transfer: it will not write."""
-        self._send_failure(route, tid, cause, detail)
-
     def _send_failure(
         self, route: bytes, tid: str, cause: FailureCause, detail: str
     ) -> None:
+        """Prefill's word to decode that it will not write ``tid``."""
         failure = Failure(
             transfer_id=tid,
             engine_id=self._engine_id,
