@@ -38,6 +38,7 @@ from kvpush.launcher.state import (
 from kvpush.topology import Topology, dump_topology
 
 _POLL_S = 0.5
+ROUTER_LOG = "router.log"
 
 
 class LaunchError(RuntimeError):
@@ -85,9 +86,7 @@ def _start_all(
     """Spawn every instance, then the router, saving state after each."""
     records: list[ProcessRecord] = []
     for spec in specs:
-        cmd = instance_command(config, spec, model)
-        cpus = frozenset({spec.core})  # the whole instance, not just its OMP threads
-        pid = process.spawn(cmd, instance_env(config, spec), spec.log_path, cpus)
+        pid = _spawn_instance(config, spec, model)
         records.append(
             ProcessRecord(
                 name=spec.name,
@@ -101,20 +100,32 @@ def _start_all(
         )
         state = _with(state, records)
         save_state(state, run_dir)
-    router_log = run_dir / "router.log"
-    pid = process.spawn(router_command(config, run_dir), _router_env(), router_log)
+    pid = _spawn_router(config, run_dir)
     records.append(
         ProcessRecord(
             name="router",
             role="router",
             pid=pid,
             url=state.router_url,
-            log_path=str(router_log),
+            log_path=str(run_dir / ROUTER_LOG),
         )
     )
     state = _with(state, records)
     save_state(state, run_dir)
     return state
+
+
+def _spawn_instance(config: ClusterConfig, spec: InstanceSpec, model: Path) -> int:
+    """Start one instance, pinned to its core; its process-group id."""
+    cmd = instance_command(config, spec, model)
+    cpus = frozenset({spec.core})  # the whole instance, not just its OMP threads
+    return process.spawn(cmd, instance_env(config, spec), spec.log_path, cpus)
+
+
+def _spawn_router(config: ClusterConfig, run_dir: Path) -> int:
+    """Start the router, logging to ``RUN_DIR/router.log``; its group id."""
+    cmd = router_command(config, run_dir)
+    return process.spawn(cmd, _router_env(), run_dir / ROUTER_LOG)
 
 
 def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
@@ -302,14 +313,9 @@ def restart(
     if not process.stop_group(old.pid):
         raise RuntimeError(f"could not stop {name} (pid {old.pid})")
     if name == "router":
-        log = Path(old.log_path)
-        pid = process.spawn(router_command(config, run_dir), _router_env(), log)
+        pid = _spawn_router(config, run_dir)
     else:
-        spec = specs[name]
-        cmd = instance_command(config, spec, Path(state.model))
-        pid = process.spawn(
-            cmd, instance_env(config, spec), spec.log_path, frozenset({spec.core})
-        )
+        pid = _spawn_instance(config, specs[name], Path(state.model))
     new = msgspec.structs.replace(old, pid=pid)
     records = [new if p.name == name else p for p in state.processes]
     state = _with(state, records)
