@@ -6,8 +6,9 @@ Each kvpush connector process may write ``RUN_DIR/traces/counters-*.json``::
      "counters": {"expired.ready": 1}}
 
 (rewritten as counts change and on close, so the soak reads them once the
-cluster has stopped). Other modes write none; a file that cannot be read is
-reported, not fatal.
+cluster has stopped; read with
+:func:`kvpush.connector.counters.read_counter_files`). Other modes write
+none; a file that cannot be read is reported, not fatal.
 """
 
 from __future__ import annotations
@@ -18,16 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-COUNTERS_GLOB = "counters-*.json"
-
-
-class CounterFile(msgspec.Struct, frozen=True):
-    """One process's counters."""
-
-    engine_id: str
-    role: str
-    pid: int
-    counters: dict[str, int]
+from kvpush.connector.counters import CountersFile, read_counter_files
 
 
 class ConnectorCounters(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,7 +32,7 @@ class ConnectorCounters(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def sum_counters(
-    files: Iterable[CounterFile], unreadable: Iterable[str] = ()
+    files: Iterable[CountersFile], unreadable: Iterable[str] = ()
 ) -> ConnectorCounters:
     """Totals of every counter, overall and per engine (sorted by name)."""
     totals: dict[str, int] = defaultdict(int)
@@ -61,11 +53,4 @@ def sum_counters(
 
 def read_counters(trace_dir: Path) -> ConnectorCounters:
     """Sum every counter file in ``trace_dir`` (none: empty totals)."""
-    decoder = msgspec.json.Decoder(CounterFile)
-    files, unreadable = [], []
-    for path in sorted(trace_dir.glob(COUNTERS_GLOB)):
-        try:
-            files.append(decoder.decode(path.read_bytes()))
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
-            unreadable.append(f"{path.name}: {e}")
-    return sum_counters(files, unreadable)
+    return sum_counters(*read_counter_files(trace_dir))

@@ -10,7 +10,8 @@ them, so each process writes its counts to
      "counters": {"expired.ready": 1}}
 
 The router sums these files into ``kvpush_connector_events_total`` on its
-``/metrics``; tests and the soak read them directly. The file is rewritten
+``/metrics``; tests and the soak read them too, all through
+:func:`read_counter_files`. The file is rewritten
 atomically at most once per :data:`FLUSH_PERIOD_S` while counts change (a
 timer writes the last change even if the process goes idle), and on close.
 Disabled (counting only) when no directory is set.
@@ -24,9 +25,47 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
 
 FLUSH_PERIOD_S = 0.5
 _NAME = re.compile(r"^[a-z0-9_.]+$")
+COUNTERS_GLOB = "counters-*.json"
+MAX_FILE_BYTES = 1024 * 1024  # far above any real counters file
+
+EventName = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9_.]{1,128}$")]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class CountersFile(msgspec.Struct, frozen=True):
+    """One ``counters-*.json``: one connector process's counters."""
+
+    engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    role: Literal["prefill", "decode"]
+    pid: int
+    counters: dict[EventName, Count]
+
+
+def read_counter_files(directory: Path) -> tuple[list[CountersFile], list[str]]:
+    """Every valid counters file in ``directory`` (none when it does not
+    exist), and why each other one was skipped (a partial write, a stray or
+    oversized file): readers never fail because of one file."""
+    files: list[CountersFile] = []
+    skipped: list[str] = []
+    try:
+        paths = sorted(directory.glob(COUNTERS_GLOB))
+    except OSError as e:
+        return files, [f"{directory}: {e}"]
+    for path in paths:
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES:
+                skipped.append(f"{path.name}: larger than {MAX_FILE_BYTES} bytes")
+                continue
+            files.append(msgspec.json.decode(path.read_bytes(), type=CountersFile))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            skipped.append(f"{path.name}: {e}")
+    return files, skipped
 
 
 class Counters:

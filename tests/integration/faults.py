@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvpush.connector.counters import read_counter_files
 from kvpush.launcher.instances import FAULT_FILE
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
@@ -41,16 +42,14 @@ def set_faults(cluster: Cluster, **faults: Any) -> None:
 
 
 def counters(cluster: Cluster) -> dict[str, collections.Counter[str]]:
-    """The connector counters of every engine, summed over its processes."""
+    """The connector counters of every engine, summed over its processes (a
+    file being replaced right now is skipped; the next read gets it)."""
     out: dict[str, collections.Counter[str]] = collections.defaultdict(
         collections.Counter
     )
-    for path in (cluster.run_dir / "traces").glob("counters-*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced right now; the next read gets it
-        out[data["engine_id"]].update(data["counters"])
+    files, _ = read_counter_files(cluster.run_dir / "traces")
+    for f in files:
+        out[f.engine_id].update(f.counters)
     return out
 
 

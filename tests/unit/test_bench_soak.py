@@ -295,7 +295,7 @@ def test_the_router_gauges() -> None:
 
 def test_counter_files_are_summed_overall_and_per_engine(tmp_path: Path) -> None:
     def write(name: str, engine: str, counters: dict[str, int]) -> None:
-        body = {"engine_id": engine, "role": "x", "pid": 1, "counters": counters}
+        body = {"engine_id": engine, "role": "decode", "pid": 1, "counters": counters}
         (tmp_path / name).write_text(json.dumps(body))
 
     write("counters-decode0-1.json", "decode0", {"aborted.released": 2, "a": 1})
