@@ -84,57 +84,57 @@ class BenchConfig:
         self._check_configs()
         self._check_load()
         self._check_lengths()
-        _require(self.num_prefill >= 1, "num_prefill must be at least 1")
-        _require(self.num_decode >= 1, "num_decode must be at least 1")
-        _require(self.num_requests >= 1, "num_requests must be at least 1")
-        _require(self.num_warmup >= 1, "num_warmup must be at least 1 (handshake)")
-        _require(
+        require(self.num_prefill >= 1, "num_prefill must be at least 1")
+        require(self.num_decode >= 1, "num_decode must be at least 1")
+        require(self.num_requests >= 1, "num_requests must be at least 1")
+        require(self.num_warmup >= 1, "num_warmup must be at least 1 (handshake)")
+        require(
             0.0 <= self.shared_prefix_fraction < 1.0,
             "shared_prefix_fraction must be in [0, 1)",
         )
-        _require(self.seed >= 0, "seed must be >= 0")
-        _require(self.request_timeout_s > 0, "request_timeout_s must be positive")
-        _require(self.num_timeline_requests >= 0, "num_timeline_requests must be >= 0")
+        require(self.seed >= 0, "seed must be >= 0")
+        require(self.request_timeout_s > 0, "request_timeout_s must be positive")
+        require(self.num_timeline_requests >= 0, "num_timeline_requests must be >= 0")
         self._check_model()
 
     def _check_model(self) -> None:
         sizes = ("model_layers", "model_hidden_size", "model_kv_heads")
         for name in sizes:
             value = getattr(self, name)
-            _require(value is None or value >= 1, f"{name} must be >= 1 (or unset)")
-        _require(
+            require(value is None or value >= 1, f"{name} must be >= 1 (or unset)")
+        require(
             self.model is None or all(getattr(self, n) is None for n in sizes),
             "give either model (a directory) or model_* sizes, not both",
         )
 
     def _check_configs(self) -> None:
-        _require(bool(self.configs), f"configs must name one or more of {MODES}")
+        require(bool(self.configs), f"configs must name one or more of {MODES}")
         unknown = [c for c in self.configs if c not in MODES]
-        _require(not unknown, f"unknown configs {unknown}; choose from {MODES}")
-        _require(
+        require(not unknown, f"unknown configs {unknown}; choose from {MODES}")
+        require(
             len(set(self.configs)) == len(self.configs),
             f"configs lists a configuration twice: {list(self.configs)}",
         )
 
     def _check_load(self) -> None:
-        _require(
+        require(
             self.arrival in ARRIVALS,
             f"arrival must be one of {ARRIVALS}, not {self.arrival!r}",
         )
-        _require(bool(self.loads), f"give at least one value for {self.arrival_key}")
-        _require(all(v > 0 for v in self.loads), f"{self.arrival_key} must be > 0")
+        require(bool(self.loads), f"give at least one value for {self.arrival_key}")
+        require(all(v > 0 for v in self.loads), f"{self.arrival_key} must be > 0")
         if self.arrival == "concurrency":
-            _require(
+            require(
                 all(float(v).is_integer() for v in self.concurrency),
                 "concurrency values must be whole numbers",
             )
         if self.prompt_len_sweep:
-            _require(
+            require(
                 len(self.loads) == 1,
                 f"a prompt_len_sweep runs at one load: give a single "
                 f"{self.arrival_key} value, not {list(self.loads)}",
             )
-            _require(
+            require(
                 all(n >= 1 for n in self.prompt_len_sweep),
                 "prompt_len_sweep lengths must be >= 1",
             )
@@ -143,7 +143,7 @@ class BenchConfig:
         prompt, output = self.prompt_spec, self.output_spec
         longest_prompt = max(self.prompt_len_sweep, default=prompt.max_value)
         if longest_prompt is not None and output.max_value is not None:
-            _require(
+            require(
                 longest_prompt + output.max_value <= self.max_model_len,
                 f"longest prompt ({longest_prompt}) + output ({output.max_value}) "
                 f"exceeds max_model_len {self.max_model_len}; shorten them or "
@@ -184,7 +184,8 @@ class BenchConfig:
         return out
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ``ok`` (settings validation)."""
     if not ok:
         raise ValueError(message)
 

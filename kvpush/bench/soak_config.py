@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.config import BenchConfig
+from kvpush.bench.config import BenchConfig, require
 from kvpush.bench.lengths import LengthSpec
 from kvpush.topology import MODES
 
@@ -57,23 +57,21 @@ class SoakConfig:
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _require(self.mode in MODES, f"mode must be one of {MODES}, not {self.mode!r}")
-        _require(self.duration_s > 0, "duration_s must be positive")
-        _require(self.qps > 0, "qps must be positive")
-        _require(self.max_tokens >= 1, "max_tokens must be at least 1")
-        _require(
-            0.0 <= self.abort_fraction <= 1.0, "abort_fraction must be within 0..1"
-        )
-        _require(
+        require(self.mode in MODES, f"mode must be one of {MODES}, not {self.mode!r}")
+        require(self.duration_s > 0, "duration_s must be positive")
+        require(self.qps > 0, "qps must be positive")
+        require(self.max_tokens >= 1, "max_tokens must be at least 1")
+        require(0.0 <= self.abort_fraction <= 1.0, "abort_fraction must be within 0..1")
+        require(
             self.abort_window_s is None or self.abort_window_s > 0,
             "abort_window_s must be positive (or unset: measured in the warm-up)",
         )
-        _require(self.request_timeout_s > 0, "request_timeout_s must be positive")
-        _require(self.settle_s >= 0, "settle_s must be >= 0")
-        _require(self.num_warmup >= 1, "num_warmup must be at least 1 (handshake)")
-        _require(self.seed >= 0, "seed must be >= 0")
+        require(self.request_timeout_s > 0, "request_timeout_s must be positive")
+        require(self.settle_s >= 0, "settle_s must be >= 0")
+        require(self.num_warmup >= 1, "num_warmup must be at least 1 (handshake)")
+        require(self.seed >= 0, "seed must be >= 0")
         spec = self.prompt_spec
-        _require(spec.kind != "trace", "prompt_len must be 'N' or 'A-B' (no traces)")
+        require(spec.kind != "trace", "prompt_len must be 'N' or 'A-B' (no traces)")
         self.bench_config()  # lengths against max_model_len, ports, counts
 
     @property
@@ -113,8 +111,3 @@ class SoakConfig:
             for f in dataclasses.fields(self)
             for v in (getattr(self, f.name),)
         }
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
