@@ -35,12 +35,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpush.connector.side_channel import ConnectionEvent
 from kvpush.transfer.coalesce import Desc
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.messages import Message, decode
+
+T = TypeVar("T")
 
 _METADATA_PREFIX = b"fake-nixl-agent:"
 _STATES = ("PROC", "DONE", "ERR")
@@ -222,15 +224,17 @@ class FakePeers:
         self.closed = True
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float = 2.0) -> bool:
-    """Poll ``predicate`` every 2 ms until it is true or ``timeout_s`` passes;
-    its last answer."""
+def wait_for(
+    predicate: Callable[[], T], timeout_s: float = 2.0, step_s: float = 0.002
+) -> T:
+    """Poll ``predicate`` every ``step_s`` until its answer is true or
+    ``timeout_s`` passes; its last answer (any thread, any test)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.002)
-    return bool(predicate())
+    while True:
+        answer = predicate()
+        if answer or time.monotonic() >= deadline:
+            return answer
+        time.sleep(step_s)
 
 
 def leftovers(owner: object, ignore: Iterable[str] = ()) -> dict[str, int]:

@@ -13,7 +13,6 @@ import signal
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from kvpush.transfer.messages import (
     Registration,
     encode,
 )
+from tests.fakes.fake_nixl import wait_for
 from tests.integration import workload
 from tests.integration.conftest import Cluster
 
@@ -57,12 +57,12 @@ def wait_counter(
     cluster: Cluster, engine: str, name: str, at_least: int, timeout_s: float = 10.0
 ) -> int:
     """Wait until counter ``name`` of ``engine`` reaches ``at_least``; its value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = counters(cluster)[engine][name]
-        if value >= at_least or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
+
+    def value() -> int:
+        return counters(cluster)[engine][name]
+
+    wait_for(lambda: value() >= at_least, timeout_s, step_s=0.2)
+    return value()
 
 
 def trace_events(cluster: Cluster) -> list[dict[str, Any]]:
@@ -90,16 +90,6 @@ def phases(cluster: Cluster, transfer_id: str) -> set[str]:
     return {
         e["event"] for e in trace_events(cluster) if e["transfer_id"] == transfer_id
     }
-
-
-def wait_for(what: Callable[[], Any], timeout_s: float, step_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(step_s)
-    return what()
 
 
 def wait_transfer_phase(

@@ -30,6 +30,7 @@ import pytest
 
 from kvpush import client
 from kvpush.launcher import process as proc
+from tests.fakes.fake_nixl import wait_for
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
 
@@ -206,7 +207,7 @@ def test_malformed_side_channel_burst_during_load(cluster, reference):
         )
 
     expected = 20 * faults.NUM_MALFORMED  # every one counted, none let through
-    assert faults.wait_for(lambda: rejected() >= expected, 10.0), rejected()
+    assert wait_for(lambda: rejected() >= expected, 10.0), rejected()
     assert delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
     faults.assert_no_blocks_held(cluster)
 
