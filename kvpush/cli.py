@@ -16,7 +16,7 @@ from kvpush.topology import MODES
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["soak"]:  # the soak parses its own options
-        from kvpush.bench.soak import main as soak_main
+        from kvpush.soak.cli import main as soak_main
 
         return soak_main(argv[1:])
     parser = _parser()
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     soak = sub.add_parser(
         "soak",
         help="sustained load with client aborts: nothing lost, nothing leaked",
-        add_help=False,  # its own parser (kvpush.bench.soak) answers --help
+        add_help=False,  # its own parser (kvpush.soak) answers --help
     )
     soak.set_defaults(func=None)  # handed over whole in main()
     return parser

@@ -20,7 +20,7 @@ from kvpush.bench.timeline import Timeline, match_by_time, read_timelines
 REPORT_FILE = "report.md"
 BENCHMARKS_FILE = "BENCHMARKS.md"
 PUBLISHED_IMAGES = Path("docs") / "bench"
-KEPT_SECTIONS = ("soak",)  # written by python -m kvpush.bench.soak --publish
+KEPT_SECTIONS = ("soak",)  # written by python -m kvpush.soak --publish
 
 BENCHMARKS_PREAMBLE = """\
 The latest `kvpush bench` run on this project's development machine, generated

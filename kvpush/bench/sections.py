@@ -1,7 +1,7 @@
 """Named sections of a generated markdown file, between comment markers.
 
 ``BENCHMARKS.md`` is written by two tools: ``kvpush bench --publish``
-regenerates the whole file, and the soak (``python -m kvpush.bench.soak
+regenerates the whole file, and the soak (``python -m kvpush.soak
 --publish``) owns one section of it::
 
     <!-- soak:begin -->

@@ -1,4 +1,4 @@
-"""A short soak of a real kvpush cluster (``python -m kvpush.bench.soak``,
+"""A short soak of a real kvpush cluster (``python -m kvpush.soak``,
 45 s): with a quarter of the requests aborted by the client mid-request,
 no request is lost, no KV block leaks, and the cluster is stopped after.
 The soak starts and stops a cluster of its own, on ports no other test
@@ -11,9 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpush.bench.soak import main
-from kvpush.bench.soak_report import SOAK_SUMMARY_FILE, SoakSummary
 from kvpush.launcher import status
+from kvpush.soak.cli import main
+from kvpush.soak.report import SOAK_SUMMARY_FILE, SoakSummary
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from kvpush.bench.prometheus import parse_samples
+from kvpush.soak.prometheus import parse_samples
 
 USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"

@@ -18,17 +18,17 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from kvpush.bench import client
-from kvpush.bench.soak_leaks import (
+from kvpush.bench.workload import RequestSpec
+from kvpush.launcher.state import ProcessRecord
+from kvpush.soak.leaks import (
     KvReading,
     is_settled,
     read_kv,
     router_in_flight,
     router_unhealthy,
 )
-from kvpush.bench.soak_outcome import SoakRecord
-from kvpush.bench.soak_plan import SoakRequest
-from kvpush.bench.workload import RequestSpec
-from kvpush.launcher.state import ProcessRecord
+from kvpush.soak.outcome import SoakRecord
+from kvpush.soak.plan import SoakRequest
 
 METRICS_TIMEOUT_S = 5.0
 UNWIND_TIMEOUT_S = 5.0  # for an aborted request's task to close its connection

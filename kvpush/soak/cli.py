@@ -1,4 +1,4 @@
-"""``python -m kvpush.bench.soak``: a long run that must lose nothing and
+"""``python -m kvpush.soak``: a long run that must lose nothing and
 leak nothing.
 
 It starts one cluster (the benchmark's cluster set-up), warms it up, sends
@@ -43,13 +43,16 @@ from kvpush.bench.records import REQUESTS_FILE, write_records
 from kvpush.bench.resources import versions
 from kvpush.bench.runner import cluster_config
 from kvpush.bench.sections import put_section
-from kvpush.bench.soak_config import SoakConfig
-from kvpush.bench.soak_counters import read_counters
-from kvpush.bench.soak_driver import drive, settle, wait_routable
-from kvpush.bench.soak_leaks import KvReading
-from kvpush.bench.soak_outcome import OUTCOME_KINDS, SoakRecord, classify
-from kvpush.bench.soak_plan import request_spec, schedule, warmup_specs
-from kvpush.bench.soak_report import (
+from kvpush.bench.workload import WARMUP_POINT, PointWorkload, SweepPoint
+from kvpush.launcher import down, up
+from kvpush.launcher.state import RunState
+from kvpush.soak.config import SoakConfig
+from kvpush.soak.counters import read_counters
+from kvpush.soak.driver import drive, settle, wait_routable
+from kvpush.soak.leaks import KvReading
+from kvpush.soak.outcome import OUTCOME_KINDS, SoakRecord, classify
+from kvpush.soak.plan import request_spec, schedule, warmup_specs
+from kvpush.soak.report import (
     SOAK_SECTION_FILE,
     SOAK_SUMMARY_FILE,
     SoakRun,
@@ -57,12 +60,9 @@ from kvpush.bench.soak_report import (
     render_section,
     summarize,
 )
-from kvpush.bench.workload import WARMUP_POINT, PointWorkload, SweepPoint
-from kvpush.launcher import down, up
-from kvpush.launcher.state import RunState
 
 SECTION = "soak"
-PROGRAM = "python -m kvpush.bench.soak"
+PROGRAM = "python -m kvpush.soak"
 ROUTABLE_TIMEOUT_S = 30.0  # for the router to see every instance healthy
 
 # (flag, field, type, help); every field of SoakConfig but out_dir and model.
@@ -318,7 +318,3 @@ def print_result(console: Console, summary: SoakSummary, files: list[Path]) -> N
         console.print(f"[bold yellow]warning:[/] {warning}")
     for problem in summary.problems:
         console.print(f"[bold red]soak failed:[/] {problem}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

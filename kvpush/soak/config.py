@@ -32,7 +32,7 @@ DEFAULT_QPS = 24.0
 
 @dataclass(frozen=True)
 class SoakConfig:
-    """Everything ``python -m kvpush.bench.soak`` needs."""
+    """Everything ``python -m kvpush.soak`` needs."""
 
     mode: str = "kvpush"
     num_prefill: int = 1

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpush.bench.lengths import LengthSpec
-from kvpush.bench.soak_config import SoakConfig
 from kvpush.bench.workload import RequestSpec, random_tokens, rng_for
+from kvpush.soak.config import SoakConfig
 
 SOAK_TAG = "soak"
 
