@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpush.transfer.coalesce import Desc
+from kvpush.transfer.coalesce import Descs
 from kvpush.transfer.layout import KvLayout
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,13 @@ class NixlIO:
         self._remotes.add(name)
         return name
 
-    def write(self, src: list[Desc], dst: list[Desc], peer: str, notif: bytes) -> Any:
-        """Post one WRITE of ``src`` into ``peer``'s ``dst`` (parallel lists);
-        the peer receives ``notif`` when all of it has landed."""
-        src_descs = self._agent.get_xfer_descs([tuple(d) for d in src], self.mem_type)
-        dst_descs = self._agent.get_xfer_descs([tuple(d) for d in dst], self.mem_type)
+    def write(self, src: Descs, dst: Descs, peer: str, notif: bytes) -> Any:
+        """Post one WRITE of ``src`` into ``peer``'s ``dst`` (parallel arrays
+        from :func:`kvpush.transfer.coalesce.descriptors`, which NIXL reads
+        without a copy); the peer receives ``notif`` when all of it has
+        landed."""
+        src_descs = self._agent.get_xfer_descs(src, self.mem_type)
+        dst_descs = self._agent.get_xfer_descs(dst, self.mem_type)
         handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notif)
         state = self._agent.transfer(handle)
         if state == "ERR":

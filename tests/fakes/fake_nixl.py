@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpush.connector.side_channel import ConnectionEvent
-from kvpush.transfer.coalesce import Desc
+from kvpush.transfer.coalesce import Desc, Descs, desc_list
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.messages import Message, decode
 
@@ -50,7 +50,7 @@ _STATES = ("PROC", "DONE", "ERR")
 
 @dataclass
 class WriteRecord:
-    """One posted WRITE, as the fake saw it."""
+    """One posted WRITE, as the fake saw it (descriptors as :class:`Desc` lists)."""
 
     src: list[Desc]
     dst: list[Desc]
@@ -125,7 +125,7 @@ class FakeNixlIO:
             self.loaded_peers.append(name)
         return name
 
-    def write(self, src: list[Desc], dst: list[Desc], peer: str, notif: bytes) -> Any:
+    def write(self, src: Descs, dst: Descs, peer: str, notif: bytes) -> Any:
         with self._lock:
             self._check_open("write")
             if peer not in self.loaded_peers:
@@ -135,7 +135,7 @@ class FakeNixlIO:
             if self._write_errors:
                 raise self._write_errors.popleft()
             record = WriteRecord(
-                list(src), list(dst), peer, notif, deque(self._poll_script)
+                desc_list(src), desc_list(dst), peer, notif, deque(self._poll_script)
             )
             self.writes.append(record)
             return record

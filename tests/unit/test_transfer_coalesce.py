@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.transfer.coalesce import Desc, Run, descriptors, runs
+from kvpush.transfer.coalesce import Desc, Descs, Run, desc_list, descriptors, runs
 from kvpush.transfer.layout import KvLayout, compat_problem
 
 BB = 96  # block bytes
@@ -37,6 +38,10 @@ def _maximal_runs(src: list[int], dst: list[int]) -> int:
     return 1 + breaks if src else 0
 
 
+def _runs(src: list[int], dst: list[int]) -> list[Run]:
+    return [Run(*row) for row in runs(src, dst).tolist()]
+
+
 def _locate(layout: KvLayout, addr: int) -> tuple[int, int]:
     """(region, block id) of the block starting at ``addr``."""
     for region, base in enumerate(layout.base_addrs):
@@ -48,12 +53,12 @@ def _locate(layout: KvLayout, addr: int) -> tuple[int, int]:
 
 
 def _copied_pairs(
-    src_descs: list[Desc], dst_descs: list[Desc], src: KvLayout, dst: KvLayout
+    src_descs: Descs, dst_descs: Descs, src: KvLayout, dst: KvLayout
 ) -> Counter[tuple[int, int, int, int]]:
     """Every (src region, src block, dst region, dst block) the descriptors copy."""
-    assert len(src_descs) == len(dst_descs)
+    assert src_descs.shape == dst_descs.shape == (len(src_descs), 3)
     out: Counter[tuple[int, int, int, int]] = Counter()
-    for s, d in zip(src_descs, dst_descs, strict=True):
+    for s, d in zip(desc_list(src_descs), desc_list(dst_descs), strict=True):
         assert s.length == d.length > 0 and s.length % BB == 0
         for k in range(s.length // BB):
             out[(*_locate(src, s.addr + k * BB), *_locate(dst, d.addr + k * BB))] += 1
@@ -94,16 +99,17 @@ def test_descriptors_copy_each_pair_once_in_minimal_count(
 
 
 def test_runs_merge_only_where_both_sides_are_consecutive() -> None:
-    assert runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 7]) == [
+    assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 7]) == [
         Run(4, 0, 3),
         Run(9, 3, 2),
         Run(2, 7, 1),
     ]
     # Source consecutive but destination not: no merge.
-    assert runs([1, 2, 3], [5, 7, 6]) == [Run(1, 5, 1), Run(2, 7, 1), Run(3, 6, 1)]
+    assert _runs([1, 2, 3], [5, 7, 6]) == [Run(1, 5, 1), Run(2, 7, 1), Run(3, 6, 1)]
     # Descending on both sides is not contiguous memory in copy order.
-    assert runs([3, 2], [3, 2]) == [Run(3, 3, 1), Run(2, 2, 1)]
-    assert runs([], []) == []
+    assert _runs([3, 2], [3, 2]) == [Run(3, 3, 1), Run(2, 2, 1)]
+    assert _runs([], []) == []
+    assert runs([], []).shape == (0, 3)
 
 
 def test_descriptors_by_hand_on_the_cpu_layout() -> None:
@@ -111,14 +117,38 @@ def test_descriptors_by_hand_on_the_cpu_layout() -> None:
         [Run(4, 0, 3), Run(9, 3, 1)], SRC, DST, range(1, 3)
     )
     layer_src, layer_dst = 64 * BB, 80 * BB
-    assert src_descs == [
+    assert desc_list(src_descs) == [
         Desc(0x1000 + layer_src + 4 * BB, 3 * BB, 0),
         Desc(0x1000 + layer_src + 9 * BB, BB, 0),
         Desc(0x1000 + 2 * layer_src + 4 * BB, 3 * BB, 0),
         Desc(0x1000 + 2 * layer_src + 9 * BB, BB, 0),
     ]
-    assert dst_descs[0] == Desc(0x900000 + layer_dst, 3 * BB, 0)
-    assert dst_descs[3] == Desc(0x900000 + 2 * layer_dst + 3 * BB, BB, 0)
+    assert desc_list(dst_descs)[0] == Desc(0x900000 + layer_dst, 3 * BB, 0)
+    assert desc_list(dst_descs)[3] == Desc(0x900000 + 2 * layer_dst + 3 * BB, BB, 0)
+
+
+def test_descriptors_are_what_nixl_takes_without_a_copy() -> None:
+    src_descs, dst_descs = descriptors(runs([4, 5, 9], [0, 1, 3]), SRC, DST, range(3))
+    for descs in (src_descs, dst_descs):
+        assert descs.dtype == np.uint64 and descs.shape == (6, 3)
+        assert descs.flags["C_CONTIGUOUS"]
+    as_rows = descriptors([Run(4, 0, 2), Run(9, 3, 1)], SRC, DST, range(3))
+    assert np.array_equal(as_rows[0], src_descs)
+    assert np.array_equal(as_rows[1], dst_descs)
+
+
+def test_descriptors_reach_the_top_of_the_address_space() -> None:
+    top = 2**64 - 64 * BB  # the last region a layout may describe
+    high = KvLayout(64, BB, 4, base_addrs=(top,), device_id=3)
+    low = KvLayout(64, BB, 4, base_addrs=(0,), device_id=1)
+    src_descs, dst_descs = descriptors(runs([63], [0]), high, low, range(1))
+    assert desc_list(src_descs) == [Desc(top + 63 * BB, BB, 3)]
+    assert desc_list(dst_descs) == [Desc(0, BB, 1)]
+
+
+def test_descriptors_of_no_runs_are_empty() -> None:
+    src_descs, dst_descs = descriptors(runs([], []), SRC, DST, range(3))
+    assert src_descs.shape == dst_descs.shape == (0, 3)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +168,7 @@ def test_runs_validate_their_input(
 
 
 def test_runs_allow_a_source_block_to_be_read_twice() -> None:
-    assert runs([1, 1], [2, 3]) == [Run(1, 2, 1), Run(1, 3, 1)]
+    assert _runs([1, 1], [2, 3]) == [Run(1, 2, 1), Run(1, 3, 1)]
 
 
 @pytest.mark.parametrize(
@@ -147,6 +177,9 @@ def test_runs_allow_a_source_block_to_be_read_twice() -> None:
         ([Run(60, 0, 5)], SRC, DST, range(3), "reads past"),
         ([Run(0, 78, 3)], SRC, DST, range(3), "writes past"),
         ([Run(0, 0, 0)], SRC, DST, range(3), "invalid run"),
+        ([Run(-1, 0, 1)], SRC, DST, range(3), "invalid run"),
+        # The first bad run is named, by the first rule it breaks.
+        ([Run(0, 0, 1), Run(0, 79, 2), Run(63, 0, 2)], SRC, DST, range(3), "writes"),
         ([Run(0, 0, 1)], SRC, DST, range(4), "within 0..3"),
         ([Run(0, 0, 1)], SRC, DST, range(0, 3, 2), "step-1"),
         ([Run(0, 0, 1)], SRC, SPLIT_DST, range(1), "different regions"),
