@@ -20,6 +20,9 @@ Module map, in the order one request meets them:
   per chunk with :class:`ChunkCursor`, per layer); the last item notifies.
 * ``coalesce`` — block pairs to maximal runs contiguous on both sides, and
   runs to NIXL descriptors.
+* ``deadlines`` — :class:`~kvpush.transfer.deadlines.Deadlines`, a lazy
+  heap: the earliest deadline and the due keys without scanning the rest
+  (the matcher's entries and tombstones).
 * ``ledger`` — :class:`Ledger`, what each transfer holds and until when.
 * ``timeline`` — :class:`Timeline`, per-transfer event times, JSONL helpers.
 

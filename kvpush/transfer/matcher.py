@@ -14,6 +14,12 @@ Who calls what:
   aborts the request itself;
 * :meth:`Matcher.expire` periodically (see :meth:`Matcher.next_deadline`).
 
+Cost per call, for a writer thread that asks on every wake: ``next_deadline``
+and ``engines_with_registrations`` are O(1) amortised (the latter O(number of
+decode engines)), ``expire`` is O(k log n) for the k entries and tombstones
+due; nothing scans the n entries still waiting (see
+:mod:`kvpush.transfer.deadlines`).
+
 Ownership: while an entry is pending, the matcher holds it and its deadline
 (prefill's source blocks stay allocated; decode's destination blocks stay
 reserved on decode). A :class:`Matched` hands both to the writer, which then
@@ -31,9 +37,11 @@ than ``n`` source blocks (extra trailing blocks are ignored) but not fewer.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from kvpush.transfer.deadlines import Deadlines
 from kvpush.transfer.messages import Registration
 
 Side = Literal["registration", "ready"]
@@ -160,7 +168,10 @@ class Matcher:
         self.config = config
         self._registrations: dict[str, _Held] = {}
         self._ready: dict[str, _Held] = {}
-        self._tombs: dict[str, tuple[_Tomb, float]] = {}
+        self._due: Deadlines[tuple[Side, str]] = Deadlines()
+        self._reg_engines: Counter[str] = Counter()  # pending registrations
+        self._tombs: dict[str, _Tomb] = {}
+        self._tombs_due: Deadlines[str] = Deadlines()
 
     def __len__(self) -> int:
         """Number of pending entries (both sides)."""
@@ -212,36 +223,23 @@ class Matcher:
         return dropped
 
     def expire(self, now: float) -> list[Dropped]:
-        """Drop every entry whose deadline is ``<= now`` (earliest first) and
-        forget tombstones that are old enough."""
-        sides: tuple[Side, ...] = ("registration", "ready")
-        due = sorted(
-            (held.deadline, side, tid)
-            for side in sides
-            for tid, held in self._side(side).items()
-            if held.deadline <= now
-        )
+        """Drop every entry whose deadline is ``<= now`` (earliest first, ties
+        by side then transfer id) and forget tombstones that are old enough."""
         out: list[Dropped] = []
-        for _, side, tid in due:
+        for side, tid in self._due.pop_due(now):
             out.append(self._drop(tid, side, _expiry_reason(side)))
             self._tomb(tid, "closed", now)
-        for tid in [t for t, (_, until) in self._tombs.items() if until <= now]:
+        for tid in self._tombs_due.pop_due(now):
             del self._tombs[tid]
         return out
 
     def next_deadline(self) -> float | None:
         """The earliest pending deadline, for scheduling the next expire()."""
-        deadlines = [h.deadline for h in self._registrations.values()]
-        deadlines += [h.deadline for h in self._ready.values()]
-        return min(deadlines, default=None)
+        return self._due.earliest()
 
     def engines_with_registrations(self) -> set[str]:
-        """Decode engines that have registrations pending here."""
-        return {
-            h.registration.decode_engine_id
-            for h in self._registrations.values()
-            if h.registration is not None
-        }
+        """Decode engines that have registrations pending here (a new set)."""
+        return set(self._reg_engines)
 
     def registrations_of(self, engine_id: str) -> list[Registration]:
         """Pending registrations from decode ``engine_id``."""
@@ -266,7 +264,7 @@ class Matcher:
         return regs + ready
 
     def was_matched(self, transfer_id: str) -> bool:
-        return self._tombs.get(transfer_id, ("closed", 0.0))[0] == "matched"
+        return self._tombs.get(transfer_id) == "matched"
 
     def is_pending(self, transfer_id: str) -> bool:
         return transfer_id in self._registrations or transfer_id in self._ready
@@ -277,7 +275,7 @@ class Matcher:
         self, tid: str, side: Side, held: _Held, problem: str | None, now: float
     ) -> AddResult:
         if tid in self._tombs:
-            kind = self._tombs[tid][0]
+            kind = self._tombs[tid]
             if kind == "matched":
                 return Rejected(tid, "duplicate", f"transfer {tid} is already matched")
             return Rejected(tid, "closed", f"transfer {tid} was already closed")
@@ -292,7 +290,7 @@ class Matcher:
                 return Rejected(
                     tid, "capacity", f"{len(self)} transfers already pending"
                 )
-            self._side(side)[tid] = held
+            self._put(tid, side, held)
             return Pending(tid, side, held.deadline)
         if waiting.deadline <= now:
             return self._close(tid, other, "closed", f"{other} for {tid} expired", now)
@@ -311,7 +309,7 @@ class Matcher:
         mismatch = self._mismatch(reg, ready)
         if mismatch is not None:
             return self._close(tid, other, "mismatch", mismatch, now)
-        del self._side(other)[tid]
+        self._take(tid, other)
         self._tomb(tid, "matched", now)
         n = self._num_blocks(ready.num_tokens)
         return Matched(
@@ -363,12 +361,29 @@ class Matcher:
     def _side(self, side: Side) -> dict[str, _Held]:
         return self._registrations if side == "registration" else self._ready
 
-    def _drop(self, tid: str, side: Side, reason: str) -> Dropped:
+    def _put(self, tid: str, side: Side, held: _Held) -> None:
+        self._side(side)[tid] = held
+        self._due.set((side, tid), held.deadline)
+        if held.registration is not None:
+            self._reg_engines[held.registration.decode_engine_id] += 1
+
+    def _take(self, tid: str, side: Side) -> _Held:
         held = self._side(side).pop(tid)
+        self._due.discard((side, tid))
+        if held.registration is not None:
+            engine = held.registration.decode_engine_id
+            self._reg_engines[engine] -= 1
+            if self._reg_engines[engine] <= 0:
+                del self._reg_engines[engine]
+        return held
+
+    def _drop(self, tid: str, side: Side, reason: str) -> Dropped:
+        held = self._take(tid, side)
         return Dropped(tid, side, reason, held.registration, held.ready)
 
     def _tomb(self, tid: str, kind: _Tomb, now: float) -> None:
-        self._tombs[tid] = (kind, now + self.config.tombstone_ttl_s)
+        self._tombs[tid] = kind
+        self._tombs_due.set(tid, now + self.config.tombstone_ttl_s)
 
 
 def _expiry_reason(side: Side) -> str:

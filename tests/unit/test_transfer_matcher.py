@@ -311,3 +311,98 @@ def test_every_entry_comes_back_exactly_once(ops: list[tuple[str, str, float]]) 
 
 def _halves(dropped: tuple[Dropped, ...] | list[Dropped]) -> list[object]:
     return [d.registration or d.ready for d in dropped]
+
+
+# -- deadlines at scale: a wake costs what is due -----------------------------
+
+
+def test_many_entries_expire_in_deadline_order() -> None:
+    m = Matcher(MatcherConfig(block_size=BS, max_pending=5000))
+
+    def arrival(i: int) -> float:  # 2000 distinct times in 0..19.99, shuffled
+        return (i * 7919 % 2000) / 100
+
+    for i in range(2000):  # each due at arrival + ttl 10 - margin 1
+        m.add_registration(reg(f"r{i}", ttl_s=10.0), arrival(i))
+    assert m.next_deadline() == 9.0
+    by_arrival = sorted(range(2000), key=arrival)
+    first = m.expire(9.5)  # arrivals 0.00 .. 0.50
+    assert [d.transfer_id for d in first] == [f"r{i}" for i in by_arrival[:51]]
+    assert m.next_deadline() == arrival(by_arrival[51]) + 9.0
+    rest = m.expire(1e9)
+    assert [d.transfer_id for d in rest] == [f"r{i}" for i in by_arrival[51:]]
+    assert m.next_deadline() is None and len(m) == 0
+
+
+def test_cancelled_and_matched_entries_leave_the_deadlines() -> None:
+    m = Matcher(CONFIG)
+    m.add_registration(reg("early", ttl_s=5.0), 0.0)  # due 4
+    m.add_ready(ready("matched"), 0.0)  # due 30
+    m.add_ready(ready("late"), 10.0)  # due 40
+    m.cancel("early", "gone", 1.0)
+    assert m.next_deadline() == 30.0
+    assert isinstance(m.add_registration(reg("matched"), 2.0), Matched)
+    assert m.next_deadline() == 40.0
+    assert m.expire(35.0) == []
+    assert [d.transfer_id for d in m.expire(40.0)] == ["late"]
+
+
+def test_a_repeated_cancel_keeps_the_transfer_closed_for_a_full_ttl() -> None:
+    m = Matcher(CONFIG)
+    m.cancel("t1", "first", 0.0)  # tombstone until 100
+    m.cancel("t1", "again", 50.0)  # renewed: until 150
+    m.expire(120.0)
+    assert isinstance(m.add_registration(reg(), 121.0), Rejected)
+    m.expire(150.0)
+    assert isinstance(m.add_registration(reg(), 151.0), Pending)
+
+
+def test_engines_with_registrations_follow_every_exit() -> None:
+    m = Matcher(MatcherConfig(block_size=BS, max_pending=8))
+    m.add_registration(reg("a", engine="d0"), 0.0)
+    m.add_registration(reg("b", engine="d0"), 0.0)
+    m.add_registration(reg("c", engine="d1", ttl_s=5.0), 0.0)
+    m.add_ready(ready("x", engine="d2"), 0.0)  # ready KV names no registration
+    assert m.engines_with_registrations() == {"d0", "d1"}
+    assert isinstance(m.add_ready(ready("a"), 1.0), Matched)
+    assert m.engines_with_registrations() == {"d0", "d1"}
+    m.cancel("b", "gone", 1.0)
+    assert m.engines_with_registrations() == {"d1"}
+    m.expire(4.0)
+    assert m.engines_with_registrations() == set()
+    returned = m.engines_with_registrations()
+    returned.add("mine")  # the caller's own set
+    assert m.engines_with_registrations() == set()
+
+
+@given(OPS)
+def test_next_deadline_and_engines_match_a_full_scan(
+    ops: list[tuple[str, str, float]],
+) -> None:
+    m = Matcher(CONFIG)
+    now, pending = 0.0, {}  # (side, tid) -> deadline, from the results
+    for op, tid, step in ops:
+        now += step
+        if op == "cancel":
+            gone = m.cancel(tid, "test", now)
+        elif op == "expire":
+            gone = tuple(m.expire(now))
+        else:
+            item = {"reg": reg(tid), "bad_reg": reg(tid, dst=(1,)), "ready": ready(tid)}
+            half = item[op]
+            result = (
+                m.add_ready(half, now)
+                if isinstance(half, ReadyKv)
+                else m.add_registration(half, now)
+            )
+            gone = result.dropped if isinstance(result, Rejected) else ()
+            if isinstance(result, Pending):
+                pending[(result.side, tid)] = result.deadline
+            elif isinstance(result, Matched):
+                pending.pop(("registration", tid), None)
+                pending.pop(("ready", tid), None)
+        for d in gone:
+            del pending[(d.side, d.transfer_id)]
+        assert m.next_deadline() == min(pending.values(), default=None)
+        engines = {"d0" for side, _ in pending if side == "registration"}
+        assert m.engines_with_registrations() == engines
