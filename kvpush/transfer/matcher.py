@@ -24,9 +24,10 @@ Ownership: while an entry is pending, the matcher holds it and its deadline
 (prefill's source blocks stay allocated; decode's destination blocks stay
 reserved on decode). A :class:`Matched` hands both to the writer, which then
 owns the transfer; a :class:`Dropped` hands them back to the caller to free
-(``free_src_block_ids``) and to tell decode (``notify_engine_id``, with a
-:class:`Failure`). A :class:`Rejected` means the matcher took nothing from
-this call: the caller still owns what it passed in.
+(the source blocks of its ``ready``, if set) and to tell decode
+(``notify_engine_id``, with a :class:`Failure`). A :class:`Rejected`
+means the matcher took nothing from this call: the caller still owns what
+it passed in.
 
 Prefix cache: decode registers only blocks ``first_block`` onwards of the
 prompt's ``n = ceil(num_tokens / block_size)`` blocks. The match pairs
@@ -122,11 +123,6 @@ class Dropped:
     ready: ReadyKv | None = None
 
     @property
-    def free_src_block_ids(self) -> tuple[int, ...]:
-        """Prefill blocks the caller must now free (none for a registration)."""
-        return self.ready.src_block_ids if self.ready else ()
-
-    @property
     def notify_engine_id(self) -> str:
         """The decode engine to send a :class:`Failure` to."""
         if self.registration is not None:
@@ -145,10 +141,6 @@ class Rejected:
     code: RejectCode
     reason: str
     dropped: tuple[Dropped, ...] = ()
-
-    @property
-    def tells_peer(self) -> bool:
-        return self.code != "duplicate"
 
 
 AddResult = Matched | Pending | Rejected

@@ -101,7 +101,7 @@ def test_a_pending_duplicate_changes_nothing(m: Matcher, side: str) -> None:
         m.add_ready(ready(src=(1, 2, 3)), 0.0)
         dup = m.add_ready(ready(src=(4, 5, 6)), 1.0)
     assert isinstance(dup, Rejected) and dup.code == "duplicate"
-    assert not dup.tells_peer and dup.dropped == ()
+    assert dup.dropped == ()
     result = (
         m.add_ready(ready(), 2.0)
         if side == "registration"
@@ -116,7 +116,6 @@ def test_a_duplicate_after_the_match_is_not_a_failure(m: Matcher) -> None:
     m.add_ready(ready(), 1.0)
     for late in (m.add_registration(reg(), 2.0), m.add_ready(ready(), 2.0)):
         assert isinstance(late, Rejected) and late.code == "duplicate"
-        assert not late.tells_peer
     assert len(m) == 0
 
 
@@ -126,9 +125,9 @@ def test_registration_expires_and_decode_is_named(m: Matcher) -> None:
     assert m.expire(108.999) == []
     (dropped,) = m.expire(109.0)
     assert dropped.side == "registration" and "expired" in dropped.reason
-    assert dropped.notify_engine_id == "d0" and dropped.free_src_block_ids == ()
+    assert dropped.notify_engine_id == "d0" and dropped.ready is None
     late = m.add_ready(ready(), 110.0)
-    assert isinstance(late, Rejected) and late.code == "closed" and late.tells_peer
+    assert isinstance(late, Rejected) and late.code == "closed"
     assert len(m) == 0
 
 
@@ -136,10 +135,10 @@ def test_ready_kv_expires_and_its_blocks_come_back(m: Matcher) -> None:
     m.add_ready(ready(src=(4, 5, 6)), 0.0)
     assert m.expire(29.9) == []
     (dropped,) = m.expire(30.0)
-    assert dropped.side == "ready" and dropped.free_src_block_ids == (4, 5, 6)
+    assert dropped.side == "ready" and dropped.ready == ready(src=(4, 5, 6))
     assert dropped.notify_engine_id == "d0"
     late = m.add_registration(reg(), 31.0)
-    assert isinstance(late, Rejected) and late.code == "closed" and late.tells_peer
+    assert isinstance(late, Rejected) and late.code == "closed"
 
 
 def test_an_overdue_entry_never_matches_even_before_expire(m: Matcher) -> None:
@@ -161,7 +160,7 @@ def test_expire_returns_earliest_first(m: Matcher) -> None:
 def test_cancel_drops_what_is_pending_and_refuses_what_comes_later(m: Matcher) -> None:
     m.add_ready(ready(src=(7, 8, 9)), 0.0)
     (dropped,) = m.cancel("t1", "client went away", 1.0)
-    assert dropped.free_src_block_ids == (7, 8, 9)
+    assert dropped.ready == ready(src=(7, 8, 9))
     assert "client went away" in dropped.reason
     late = m.add_registration(reg(), 2.0)
     assert isinstance(late, Rejected) and late.code == "closed"
@@ -198,7 +197,7 @@ def test_a_mismatch_closes_the_transfer(
         m.add_ready(kv, 0.0)
         result = m.add_registration(registration, 1.0)
     assert isinstance(result, Rejected) and result.code == "mismatch"
-    assert needle in result.reason and result.tells_peer
+    assert needle in result.reason
     (dropped,) = result.dropped  # the pending half is handed back
     assert dropped.side == ("registration" if registration_first else "ready")
     assert len(m) == 0
@@ -217,7 +216,7 @@ def test_an_inconsistent_registration_is_invalid(m: Matcher, bad: Registration) 
     m.add_ready(ready(src=(4, 5, 6)), 0.0)
     result = m.add_registration(bad, 1.0)
     assert isinstance(result, Rejected) and result.code == "invalid"
-    assert [d.free_src_block_ids for d in result.dropped] == [(4, 5, 6)]
+    assert [d.ready for d in result.dropped] == [ready(src=(4, 5, 6))]
     assert len(m) == 0
 
 
