@@ -45,6 +45,8 @@ class ConnectorConfig:
     heartbeat_s: float = 1.0  # decode's heartbeat period to awaited prefills
     fault_file: str = ""  # tests only: see kvpush.connector.faults
     secret: bytes = b""  # side-channel authentication key; empty: off
+    num_blocks: int = 0  # KV-cache blocks per layer (vLLM's); 0: read the tensors
+    cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -76,7 +78,9 @@ class ConnectorConfig:
         return f"kvpush-{self.engine_id}"
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+    def from_vllm(
+        cls, vllm_config: Any, kv_cache_config: Any = None
+    ) -> ConnectorConfig:
         """Read the config of the instance vLLM is building."""
         kv = vllm_config.kv_transfer_config
         if kv.kv_role not in _ROLES:
@@ -100,6 +104,8 @@ class ConnectorConfig:
                 boot_id=boot_id[:64],
                 fault_file=str(extra.get("fault_file", "")),
                 secret=os.environ.get(SECRET_ENV, "").encode(),
+                num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
+                cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
                 **durations,
             )
         except (TypeError, ValueError) as e:

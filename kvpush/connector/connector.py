@@ -8,11 +8,20 @@ Load it with::
         "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
                                       "side_channel_port": 5600}}'
 
-vLLM builds one instance per process: with role SCHEDULER in EngineCore
-(which forwards to :class:`~kvpush.connector.scheduler.KvPushScheduler`) and
-with role WORKER in each Worker (:class:`~kvpush.connector.worker.KvPushWorker`).
-This class only adapts vLLM's interface to those two; see
-``docs/architecture.md`` for one request followed through every message.
+vLLM builds one instance per process: with role SCHEDULER in EngineCore and
+with role WORKER in each Worker. This class only adapts vLLM's interface to
+one of four role objects, chosen once here by (kvpush role, vLLM role):
+
+* prefill: :class:`~kvpush.connector.prefill.scheduler.PrefillScheduler`
+  (EngineCore) and :class:`~kvpush.connector.prefill.worker.PrefillWorker`
+  (Worker);
+* decode: :class:`~kvpush.connector.decode.scheduler.DecodeScheduler`
+  (EngineCore) and :class:`~kvpush.connector.decode.worker.DecodeWorker`
+  (Worker).
+
+Unsupported set-ups (see :mod:`kvpush.connector.support`) are refused here,
+at start-up, with an error naming the setting. ``docs/architecture.md``
+follows one request through every message.
 """
 
 from __future__ import annotations
@@ -27,26 +36,46 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KvPushMetadata
-from kvpush.connector.scheduler import KvPushScheduler
-from kvpush.connector.worker import KvPushWorker
+from kvpush.connector.decode.scheduler import DecodeScheduler
+from kvpush.connector.decode.worker import DecodeWorker
+from kvpush.connector.metadata import DecodeMetadata, PrefillMetadata
+from kvpush.connector.prefill.scheduler import PrefillScheduler
+from kvpush.connector.prefill.worker import PrefillWorker
+from kvpush.connector.stats import KvPushPromMetrics, KvPushStats, take_stats
+from kvpush.connector.support import REQUIRED_KV_CACHE_LAYOUT, check_supported
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
 
+Scheduler = PrefillScheduler | DecodeScheduler
+Worker = PrefillWorker | DecodeWorker
+
 
 class KvPushConnector(KVConnectorBase_V1):
-    """vLLM's connector interface over kvpush's scheduler and worker sides."""
+    """vLLM's connector interface over kvpush's role objects."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        config = ConnectorConfig.from_vllm(vllm_config)
-        self._sched: KvPushScheduler | None = None
-        self._worker: KvPushWorker | None = None
+        check_supported(vllm_config, kv_cache_config)
+        config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+        self._sched: Scheduler | None = None
+        self._worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = KvPushScheduler(config)
+            self._sched = (
+                PrefillScheduler(config)
+                if config.role == "prefill"
+                else DecodeScheduler(config)
+            )
+        elif config.role == "prefill":
+            self._worker = PrefillWorker(config)
         else:
-            self._worker = KvPushWorker(config)
+            self._worker = DecodeWorker(config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Ask vLLM for the one layout kvpush maps (each block contiguous);
+        a backend that cannot provide it is refused at start-up."""
+        return REQUIRED_KV_CACHE_LAYOUT
 
     # -- scheduler side (EngineCore) ---------------------------------------
 
@@ -77,7 +106,7 @@ class KvPushConnector(KVConnectorBase_V1):
         return self._sched is not None and self._sched.has_pending_push_work()
 
     @property
-    def _s(self) -> KvPushScheduler:
+    def _s(self) -> Scheduler:
         if self._sched is None:
             raise RuntimeError("scheduler-side method called on a worker connector")
         return self._sched
@@ -89,8 +118,20 @@ class KvPushConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, KvPushMetadata):
-            self._w.bind(connector_metadata)
+        worker = self._w
+        if isinstance(worker, PrefillWorker):
+            if isinstance(connector_metadata, PrefillMetadata):
+                worker.bind(connector_metadata)
+        elif isinstance(connector_metadata, DecodeMetadata):
+            worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward that may reuse preempted requests' blocks."""
+        worker = self._w
+        if isinstance(worker, PrefillWorker) and isinstance(
+            kv_connector_metadata, PrefillMetadata
+        ):
+            worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing to load: KV is pushed into this instance's blocks."""
@@ -104,16 +145,23 @@ class KvPushConnector(KVConnectorBase_V1):
         """Whole-request push happens at :meth:`wait_for_save`."""
 
     def wait_for_save(self) -> None:
-        self._w.wait_for_save()
+        worker = self._w
+        if isinstance(worker, PrefillWorker):
+            worker.wait_for_save()
 
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._w.get_finished(finished_req_ids)
-        return sending or None, recving or None
+        worker = self._w
+        if isinstance(worker, PrefillWorker):
+            return worker.get_finished(finished_req_ids) or None, None
+        return None, worker.get_finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._w.take_load_errors()
+        worker = self._w
+        if isinstance(worker, DecodeWorker):
+            return worker.take_load_errors()
+        return set()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -122,7 +170,39 @@ class KvPushConnector(KVConnectorBase_V1):
             self._sched.close()
 
     @property
-    def _w(self) -> KvPushWorker:
+    def _w(self) -> Worker:
         if self._worker is None:
             raise RuntimeError("worker-side method called on a scheduler connector")
         return self._worker
+
+    # -- metrics (vLLM /metrics) ---------------------------------------------
+
+    def get_kv_connector_stats(self) -> KvPushStats | None:
+        """What this side counted and timed since the last call (None:
+        nothing). vLLM calls it after every step on both sides: the worker's
+        model runner and the scheduler's ``update_from_output``, which
+        aggregates the two (see :mod:`kvpush.connector.stats`)."""
+        side = self._sched if self._sched is not None else self._worker
+        if side is None:
+            return None
+        return take_stats(side.counters, side.tracer)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KvPushStats:
+        """vLLM's API server rebuilding the stats the engine sent."""
+        return KvPushStats.from_payload(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvPushPromMetrics:
+        """The ``vllm:kvpush_*`` families, made in vLLM's API server."""
+        return KvPushPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

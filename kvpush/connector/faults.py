@@ -12,6 +12,13 @@ answers "no faults". The file holds one object, every key optional::
 so a test can hold a transfer in one phase (before the match, or matched but
 not yet written) or make a deadline pass, on a running cluster, without a
 restart. A missing or unreadable file means no faults.
+
+The one seam: production code never branches on faults. The writer asks
+:meth:`FaultSource.ready_delay_s` and :meth:`FaultSource.post_delay_s` for
+the time a finished KV waits before the matcher sees it and a matched
+transfer waits before its WRITE (always 0 without a fault file), and
+decode's scheduler sends through :func:`outbound`, which is the side
+channel itself unless a fault file was given.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
+
+from kvpush.transfer.messages import Message, Registration
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +72,22 @@ class FaultSource:
         self._checked = 0.0
         self._faults = NO_FAULTS
 
+    @property
+    def enabled(self) -> bool:
+        """Whether a fault file was given at all (tests only)."""
+        return self._path is not None
+
+    def drops_registrations(self) -> bool:
+        return self.current().drop_registrations
+
+    def ready_delay_s(self) -> float:
+        """How long finished KV is held before the matcher sees it."""
+        return self.current().delay_ready_s
+
+    def post_delay_s(self) -> float:
+        """How long a matched transfer is held before its WRITE."""
+        return self.current().delay_post_s
+
     def current(self) -> Faults:
         if self._path is None:
             return NO_FAULTS
@@ -88,29 +112,26 @@ class FaultSource:
         return self._faults
 
 
-class HeldBack:
-    """Work the fault file holds back (writer thread): ``(kind, item)``
-    pairs, each until its due time."""
+class Sender(Protocol):
+    def send(self, host: str, port: int, message: Message) -> bool: ...
 
-    def __init__(self) -> None:
-        self._items: list[tuple[float, str, Any]] = []
 
-    def add(self, due: float, kind: str, item: Any) -> None:
-        self._items.append((due, kind, item))
+class _DroppingSender:
+    """Sends like ``inner`` but drops Registrations while the fault file
+    says ``drop_registrations`` (as if the network lost them)."""
 
-    def take_due(self, now: float) -> list[tuple[str, Any]]:
-        due = [(k, i) for d, k, i in self._items if d <= now]
-        self._items = [e for e in self._items if e[0] > now]
-        return due
+    def __init__(self, inner: Sender, faults: FaultSource) -> None:
+        self._inner, self._faults = inner, faults
 
-    def take(self, match: Callable[[str, Any], bool]) -> list[tuple[str, Any]]:
-        """Remove and return the held items that ``match``."""
-        taken = [(k, i) for _, k, i in self._items if match(k, i)]
-        self._items = [e for e in self._items if not match(e[1], e[2])]
-        return taken
+    def send(self, host: str, port: int, message: Message) -> bool:
+        if isinstance(message, Registration) and self._faults.drops_registrations():
+            logger.warning(
+                "kvpush: FAULT: registration %s dropped", message.transfer_id
+            )
+            return True  # lost on the way, as far as the sender can tell
+        return self._inner.send(host, port, message)
 
-    def next_due(self) -> float | None:
-        return min((d for d, _, _ in self._items), default=None)
 
-    def __len__(self) -> int:
-        return len(self._items)
+def outbound(inner: Sender, faults: FaultSource) -> Sender:
+    """The sender decode's scheduler uses: ``inner`` itself in production."""
+    return _DroppingSender(inner, faults) if faults.enabled else inner

@@ -1,9 +1,9 @@
 """What the scheduler side tells the worker side, once per engine step.
 
-Built by :class:`~kvpush.connector.scheduler.KvPushScheduler` in
-``build_connector_meta`` (EngineCore process) and read by
-:class:`~kvpush.connector.worker.KvPushWorker` (Worker process); vLLM
-carries it between the two processes.
+Built by the role's scheduler (:mod:`kvpush.connector.prefill.scheduler`,
+:mod:`kvpush.connector.decode.scheduler`; EngineCore process) in
+``build_connector_meta`` and read by the role's worker (Worker process);
+vLLM carries it between the two processes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvpush.transfer.messages import Failure
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,15 @@ class PushTrigger:
     src_block_ids: tuple[int, ...]
     num_tokens: int
     decode_engine_id: str
+
+
+@dataclass(frozen=True)
+class PreemptedPush:
+    """Prefill: vLLM preempted ``req_id`` after its push was triggered; its
+    blocks may be reused by this step's forward."""
+
+    req_id: str
+    transfer_id: str
 
 
 @dataclass(frozen=True)
@@ -39,11 +50,23 @@ class RecvExpect:
 
 
 @dataclass
-class KvPushMetadata(KVConnectorMetadata):
-    """One step's instructions for the worker side."""
+class PrefillMetadata(KVConnectorMetadata):
+    """One step's instructions for a prefill worker."""
 
     triggers: list[PushTrigger] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # transfer ids given up
+    preempted: list[PreemptedPush] = field(default_factory=list)
+
+
+@dataclass
+class DecodeMetadata(KVConnectorMetadata):
+    """One step's instructions for a decode worker."""
+
     expects: list[RecvExpect] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)  # prefill: transfer ids given up
-    # decode: transfers whose request vLLM finished while the KV was on the way
+    # transfers whose request vLLM finished while the KV was on the way
     recv_cancels: list[str] = field(default_factory=list)
+    # prefill's final words that came back on the scheduler's socket (answers
+    # to Registrations), and the scheduler's own (a Registration not sent)
+    failures: list[Failure] = field(default_factory=list)
+    # side channels whose prefill asked for a Hello (it does not know us)
+    hello_requests: list[tuple[str, int]] = field(default_factory=list)

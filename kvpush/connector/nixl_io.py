@@ -6,6 +6,7 @@ host (DRAM) or device (VRAM) memory according to where vLLM put the cache.
 
 from __future__ import annotations
 
+import enum
 import logging
 from typing import Any
 
@@ -13,6 +14,14 @@ from kvpush.transfer.coalesce import Descs
 from kvpush.transfer.layout import KvLayout
 
 logger = logging.getLogger(__name__)
+
+
+class XferState(enum.Enum):
+    """NIXL's transfer states, as ``check_xfer_state`` spells them."""
+
+    PROC = "PROC"  # still running
+    DONE = "DONE"  # complete, notification delivered
+    ERR = "ERR"  # failed (the backend may still touch the memory until released)
 
 
 def memory_type(device_type: str) -> str:
@@ -70,20 +79,31 @@ class NixlIO:
             raise RuntimeError(f"NIXL refused the WRITE to {peer}")
         return handle
 
-    def poll(self, handle: Any) -> str:
-        """``"DONE"``, ``"PROC"`` or ``"ERR"``; releases the handle when over."""
-        state: str = self._agent.check_xfer_state(handle)
-        if state != "PROC":
-            self._agent.release_xfer_handle(handle)
-        return state
+    def state(self, handle: Any) -> XferState:
+        """Where a posted WRITE is. A peer that vanished mid-transfer makes
+        NIXL raise (e.g. ``nixlRemoteDisconnectError``) instead of returning
+        ``ERR``: that is ``ERR`` too. Never releases the handle: ``ERR``
+        does not prove the backend stopped touching the memory."""
+        try:
+            raw = self._agent.check_xfer_state(handle)
+        except Exception as e:
+            logger.warning("kvpush: NIXL state check failed: %s", e)
+            return XferState.ERR
+        try:
+            return XferState(raw)
+        except ValueError:
+            logger.warning("kvpush: NIXL returned unknown state %r", raw)
+            return XferState.ERR
 
-    def cancel(self, handle: Any) -> bool:
-        """Try to cancel a WRITE in flight; True if NIXL cancelled (or had
-        finished) it and released the handle, False if it could not."""
+    def release(self, handle: Any) -> bool:
+        """Release a handle; for a WRITE still running this asks NIXL to
+        cancel it. True once NIXL released it (the transfer no longer
+        touches either memory); False if it refused or raised, and the
+        handle is still owned by the caller."""
         try:
             self._agent.release_xfer_handle(handle)
-        except Exception as e:  # NIXL: "cannot be canceled"; the handle stays
-            logger.warning("kvpush: NIXL could not cancel a WRITE: %s", e)
+        except Exception as e:
+            logger.warning("kvpush: NIXL could not release a WRITE: %s", e)
             return False
         return True
 

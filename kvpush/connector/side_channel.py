@@ -184,9 +184,6 @@ class Peers:
         self._socks: dict[tuple[str, int], zmq.Socket[bytes]] = {}
         self._monitors: dict[tuple[str, int], zmq.Socket[bytes]] = {}
 
-    def is_known(self, host: str, port: int) -> bool:
-        return (host, port) in self._socks
-
     def send(self, host: str, port: int, message: Message) -> bool:
         """Queue ``message`` for the side channel at ``host:port``."""
         sock = self._socks.get((host, port))
@@ -206,18 +203,18 @@ class Peers:
             return False
         return True
 
-    def receive(self) -> list[Message]:
-        """Every message waiting on any socket (replies from prefills);
-        malformed ones are logged and dropped."""
-        out: list[Message] = []
-        for sock in self._socks.values():
+    def receive(self) -> list[tuple[tuple[str, int], Message]]:
+        """Every message waiting on any socket (replies from prefills), with
+        the address it came from; malformed ones are logged and dropped."""
+        out: list[tuple[tuple[str, int], Message]] = []
+        for address, sock in self._socks.items():
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 try:
-                    out.append(unseal(self._secret, frames))
+                    out.append((address, unseal(self._secret, frames)))
                 except ProtocolError as e:
                     logger.warning("kvpush: dropped a reply: %s", e.reason)
         return out

@@ -5,13 +5,15 @@ Two channels carry these messages, both through :func:`encode` and
 
 * the **side channel** (a socket the prefill worker listens on; its host and
   port reach decode in :class:`DecodeLeg`): decode sends :class:`Hello` once
-  per prefill peer (again after the connection was lost), then a
-  :class:`Registration` per transfer, :class:`Cancel` when it gives one up,
+  per prefill peer (again after the connection was lost, or when prefill
+  asks with :class:`HelloRequest`), then a :class:`Registration` per
+  transfer (from decode's scheduler), :class:`Cancel` when it gives one up,
   and a :class:`Heartbeat` every second while it waits on that prefill;
-  prefill answers a Hello with :class:`HelloReply`, tells decode about
-  transfers it will not complete with :class:`Failure`, and answers every
-  Cancel of a registered transfer with a ``Failure`` once it is sure it will
-  not write (after an in-flight WRITE has ended);
+  prefill answers a Hello with :class:`HelloReply`, a Registration from a
+  decode boot it does not know with :class:`HelloRequest`, tells decode
+  about transfers it will not complete with :class:`Failure` (on the socket
+  the Registration came from), and answers every Cancel with a ``Failure``
+  once it is sure it will not write (after an in-flight WRITE has ended);
 * the **NIXL notification** posted with the last WRITE of a transfer carries a
   :class:`Done`, so decode learns the data landed with no extra message.
 
@@ -29,6 +31,7 @@ the edge, with :meth:`TransferParams.from_dict`.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -36,7 +39,7 @@ import msgspec
 
 from kvpush.transfer.layout import KvLayout
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
@@ -51,15 +54,23 @@ BlockIds = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=0, lt=2**31)], ...],
     msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
 ]
-FailureCause = Literal[
-    "expired",
-    "cancelled",
-    "rejected",
-    "write_failed",
-    "incompatible",
-    "shutdown",
-    "peer_lost",
-]
+
+
+class Cause(enum.Enum):
+    """Why a transfer did not complete: carried by :class:`Failure` (prefill's
+    final word) and used by decode for its own verdicts. Counted as
+    ``failed.<value>`` (prefill) and ``receive_failed.<value>`` (decode)."""
+
+    EXPIRED = "expired"  # a deadline passed (prefill's or decode's)
+    CANCELLED = "cancelled"  # decode or prefill gave the transfer up
+    REJECTED = "rejected"  # invalid, mismatched, or blocks beyond decode's cache
+    WRITE_FAILED = "write_failed"  # post refused, NIXL ERR, KV never ready
+    INCOMPATIBLE = "incompatible"  # prefill refused decode's Hello
+    PREEMPTED = "preempted"  # vLLM preempted the prefill request before its WRITE
+    PEER_LOST = "peer_lost"  # the other side is gone (or fell silent)
+    SEND_FAILED = "send_failed"  # decode could not send its Registration
+
+
 # Why a received message was dropped (the ``kind`` of a ProtocolError).
 RejectKind = Literal["oversize", "version", "unknown_type", "malformed", "auth"]
 
@@ -94,11 +105,26 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     """Prefill → decode: whether prefill accepted the Hello (``reason`` when
-    not). Decode sends Registrations to a peer only after ``accepted``."""
+    not). ``boot_id`` names this start of the prefill worker: a reply with
+    another boot id than the last one proves that the old prefill process,
+    and any WRITE it had posted, is gone."""
 
     engine_id: Name
     accepted: bool
+    boot_id: Name
     reason: Text = ""
+
+
+class HelloRequest(msgspec.Struct, frozen=True, tag="hello_request"):
+    """Prefill → decode (on the Registration's socket): "I do not know your
+    boot ``decode_boot_id``; say Hello". Sent when a Registration arrives
+    from a decode prefill has not heard a Hello from, or has forgotten (it
+    fell silent); the transfer waits for that Hello until its deadline.
+    Not a final word: the transfer is still open."""
+
+    engine_id: Name
+    decode_boot_id: Name
+    transfer_id: TransferId
 
 
 class Registration(msgspec.Struct, frozen=True, tag="registration"):
@@ -109,17 +135,19 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     holds them (vLLM's hits are whole blocks); 0 when nothing is cached.
     ``num_tokens`` is the prompt length decode expects, so
     ``first_block + len(dst_block_ids) == ceil(num_tokens / block_size)``.
-    ``ttl_s`` is how long decode keeps the blocks reserved, counted from
-    sending; relative because the two clocks are not synchronised. Decode owns
-    the destination blocks throughout; it frees them on Done, Failure, or
-    when its own deadline passes. ``decode_boot_id`` is the boot id of the
+    ``ttl_s`` is how long decode waits before it asks for prefill's final
+    word, counted from sending; relative because the two clocks are not
+    synchronised. Prefill posts no WRITE after arrival + ``ttl_s`` − its
+    post margin. Decode owns the destination blocks throughout; it frees
+    them on Done, on Failure, or once the prefill process is proven gone,
+    never when a deadline passes (see ``docs/architecture.md``, "The timing
+    rule"). ``decode_boot_id`` is the boot id of the
     decode that owns the blocks: prefill writes only after a Hello with that
     same boot id (the epoch fence against writing into a restarted decode)."""
 
     transfer_id: TransferId
     decode_engine_id: Name
     decode_boot_id: Name
-    decode_agent_name: Name
     dst_block_ids: Annotated[BlockIds, msgspec.Meta(min_length=1)]
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
@@ -131,10 +159,12 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
-    """Decode → prefill: decode gave the transfer up (request aborted, or
-    finished before registering); do not write. Decode keeps registered
-    destination blocks until prefill's answer (a :class:`Failure`, or the
-    Done of a WRITE already under way) or the registration's deadline."""
+    """Decode → prefill: decode gave the transfer up (request aborted,
+    finished before registering, or decode's deadline passed); do not write.
+    Prefill answers with its final word (a :class:`Failure`, or the Done of a
+    WRITE already under way, then a Failure). Decode keeps registered
+    destination blocks until that final word, or until the prefill process
+    is proven gone; never merely because time passed."""
 
     transfer_id: TransferId
     engine_id: Name
@@ -142,12 +172,13 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
 
 
 class Failure(msgspec.Struct, frozen=True, tag="failure"):
-    """Prefill → decode: prefill will not complete this transfer; decode frees
-    its blocks now instead of waiting out its deadline, and falls back."""
+    """Prefill → decode: prefill will not write this transfer, now or later
+    (its final word: no WRITE of it is in flight or can still be posted).
+    Decode frees its blocks and falls back."""
 
     transfer_id: TransferId
     engine_id: Name
-    cause: FailureCause
+    cause: Cause
     detail: Text = ""
 
 
@@ -169,10 +200,20 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
 
 
-Message = Hello | HelloReply | Registration | Cancel | Failure | Heartbeat | Done
+Message = (
+    Hello
+    | HelloReply
+    | HelloRequest
+    | Registration
+    | Cancel
+    | Failure
+    | Heartbeat
+    | Done
+)
 MESSAGE_TYPES: tuple[type, ...] = (
     Hello,
     HelloReply,
+    HelloRequest,
     Registration,
     Cancel,
     Failure,

@@ -2,17 +2,21 @@
 
 :class:`FakeNixlIO` stands in for :class:`kvpush.connector.nixl_io.NixlIO`
 (same public surface: ``name``, ``layout``, ``mem_type``, ``metadata``,
-``load_peer``, ``write``, ``poll``, ``notifications``, ``close``). It
-records every WRITE (:class:`WriteRecord`) and can be scripted:
+``load_peer``, ``write``, ``state``, ``release``, ``notifications``,
+``close``). It records every WRITE (:class:`WriteRecord`) and can be
+scripted:
 
-* :meth:`FakeNixlIO.script_polls` — what ``poll`` returns for the next
+* :meth:`FakeNixlIO.script_polls` — what ``state`` returns for the next
   writes, e.g. ``("PROC", "PROC", "DONE")`` or ``("ERR",)``; the default
   is ``("DONE",)``;
 * :meth:`FakeNixlIO.fail_next_write` — the next ``write`` raises;
+* ``cancellable = False`` — a running WRITE cannot be cancelled;
+  ``release_failures = n`` — the next ``n`` releases fail;
+  :meth:`FakeNixlIO.raise_next` — the next ``state`` or ``release`` raises;
 * :meth:`FakeNixlIO.deliver` — a notification arrives;
 * :meth:`FakeNixlIO.link` — two fakes act as a pair: a WRITE posted on one
   delivers its notification (if not empty) to the other when the write
-  completes (``poll`` returns ``"DONE"``), as NIXL does.
+  completes (``state`` returns ``DONE``), as NIXL does.
 
 Misuse that real NIXL would punish (polling a released handle, writing to a
 peer never loaded, using a closed agent) is recorded in ``misuse`` rather
@@ -20,8 +24,8 @@ than raised, because the writer thread swallows exceptions; tests assert it
 stays empty.
 
 :class:`FakePeers` stands in for :class:`kvpush.connector.side_channel.Peers`
-(``is_known``, ``send``, ``receive``, ``close``): it records what is sent
-and hands out replies queued with :meth:`FakePeers.queue_reply`.
+(``send``, ``receive``, ``connection_events``, ``close``): it records what
+is sent and hands out replies queued with :meth:`FakePeers.queue_reply`.
 
 Both are thread-safe: the writer thread uses the fake while a test reads it.
 :func:`wait_for` is the bounded wait for what another thread does with them;
@@ -37,6 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvpush.connector.nixl_io import XferState
 from kvpush.connector.side_channel import ConnectionEvent
 from kvpush.transfer.coalesce import Desc, Descs, desc_list
 from kvpush.transfer.layout import KvLayout
@@ -58,6 +63,8 @@ class WriteRecord:
     notif: bytes
     states: deque[str] = field(repr=False)
     num_polls: int = 0
+    done: bool = False
+    last: str = ""  # the state last returned
     released: bool = False
     cancelled: bool = False
 
@@ -80,6 +87,8 @@ class FakeNixlIO:
         self.misuse: list[str] = []
         self.closed = False
         self.cancellable = True  # False: NIXL cannot cancel a WRITE in flight
+        self.release_failures = 0  # how many next releases fail (ERR kept)
+        self._raise_on: dict[str, bool] = {}
         self._lock = threading.Lock()
         self._poll_script: tuple[str, ...] = ("DONE",)
         self._write_errors: deque[Exception] = deque()
@@ -140,33 +149,50 @@ class FakeNixlIO:
             self.writes.append(record)
             return record
 
-    def poll(self, handle: Any) -> str:
+    def state(self, handle: Any) -> XferState:
         with self._lock:
-            self._check_open("poll")
+            self._check_open("state")
+            if self._raise_on.pop("state", None) is not None:
+                raise RuntimeError("fake NIXL: check_xfer_state raised")
             record: WriteRecord = handle
             if record.released:
-                self.misuse.append("poll on a released handle")
-                return "ERR"
+                self.misuse.append("state of a released handle")
+                return XferState.ERR
             record.num_polls += 1
+            was_done = record.done
             state = (
                 record.states.popleft() if len(record.states) > 1 else record.states[0]
             )
-            record.released = state != "PROC"
+            record.done, record.last = state == "DONE", state
             peer = self._linked.get(record.peer)
-        if state == "DONE" and peer is not None and record.notif:
+        if record.done and not was_done and peer is not None and record.notif:
             peer.deliver(record.notif)
-        return state
+        return XferState(state)
 
-    def cancel(self, handle: Any) -> bool:
+    def release(self, handle: Any) -> bool:
+        """Release (or, for a running WRITE, cancel): False when a release
+        failure is scripted, or the WRITE runs and ``cancellable`` is off."""
         with self._lock:
+            if self._raise_on.pop("release", None) is not None:
+                raise RuntimeError("fake NIXL: release_xfer_handle raised")
             record: WriteRecord = handle
             if record.released:
-                self.misuse.append("cancel of a released handle")
+                self.misuse.append("release of a released handle")
                 return False
-            if not self.cancellable:
+            if self.release_failures > 0:
+                self.release_failures -= 1
                 return False
-            record.released = record.cancelled = True
+            running = record.last in ("", "PROC")
+            if running and not self.cancellable:
+                return False
+            record.released = True
+            record.cancelled = running
             return True
+
+    def raise_next(self, call: str) -> None:
+        """The next ``state`` or ``release`` call raises (as NIXL can)."""
+        with self._lock:
+            self._raise_on[call] = True
 
     def notifications(self) -> list[bytes]:
         with self._lock:
@@ -187,18 +213,18 @@ class FakePeers:
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, int, Message]] = []
-        self._replies: list[Message] = []
+        self._replies: list[tuple[tuple[str, int], Message]] = []
+        self.send_ok = True  # False: every send fails (a full queue)
         self._events: list[ConnectionEvent] = []
         self.closed = False
 
-    def is_known(self, host: str, port: int) -> bool:
-        return any((h, p) == (host, port) for h, p, _ in self.sent)
-
     def send(self, host: str, port: int, message: Message) -> bool:
+        if not self.send_ok:
+            return False
         self.sent.append((host, port, message))
         return True
 
-    def receive(self) -> list[Message]:
+    def receive(self) -> list[tuple[tuple[str, int], Message]]:
         out, self._replies = self._replies, []
         return out
 
@@ -211,9 +237,12 @@ class FakePeers:
         next ``connection_events``)."""
         self._events.append(ConnectionEvent(address, up))
 
-    def queue_reply(self, message: Message) -> None:
-        """``message`` comes back from a prefill at the next ``receive``."""
-        self._replies.append(message)
+    def queue_reply(
+        self, message: Message, address: tuple[str, int] = ("127.0.0.1", 5600)
+    ) -> None:
+        """``message`` comes back from the prefill at ``address`` at the next
+        ``receive``."""
+        self._replies.append((address, message))
 
     def messages(self, kind: type | Iterable[type] = object) -> list[Any]:
         """The messages sent so far, optionally only those of ``kind``."""

@@ -1,50 +1,65 @@
-"""The writer waits for the forward that wrote a prompt's KV through a fence:
-an accelerator event polled until it completes, with a deadline, or nothing
-at all on the synchronous CPU backend."""
+"""The writer learns that the forward which wrote a prompt's KV has finished
+through a fence: an accelerator event it asks on each tick, never waits on
+(issue 9 item 6: one transfer's slow forward must not stall the others), or
+nothing at all on the synchronous CPU backend."""
 
 from __future__ import annotations
 
-import time
+import pytest
+import torch
 
-from kvpush.connector.fence import EventFence, NoFence, record_fence
+from kvpush.connector.prefill.fence import EventFence, NoFence, record_fence
+
+CREATED: list[FakeEvent] = []
 
 
-class ScriptedEvent:
-    """``query()`` answers False ``num_pending`` times, then True."""
+class FakeEvent:
+    """``torch.cuda.Event``'s interface (``record``, ``query``,
+    ``synchronize``); blocking calls fail the test."""
 
-    def __init__(self, num_pending: int | None) -> None:
-        self.num_pending = num_pending  # None: never completes
+    def __init__(self) -> None:
+        self.recorded = False
+        self.num_pending = 2  # query() answers False this many times
         self.num_queries = 0
+        CREATED.append(self)
+
+    def record(self, stream: object = None) -> None:
+        self.recorded = True
 
     def query(self) -> bool:
         self.num_queries += 1
-        return self.num_pending is not None and self.num_queries > self.num_pending
+        return self.num_queries > self.num_pending
+
+    def synchronize(self) -> None:
+        raise AssertionError("the writer must never block on an event")
 
 
-def test_event_fence_returns_true_once_the_event_completes():
-    event = ScriptedEvent(num_pending=2)
-
-    assert EventFence(event).wait(timeout_s=5.0) is True
-    assert event.num_queries == 3, "stops querying once complete"
-
-
-def test_event_fence_gives_up_after_its_timeout():
-    event = ScriptedEvent(num_pending=None)
-
-    start = time.monotonic()
-    assert EventFence(event).wait(timeout_s=0.05) is False
-    elapsed = time.monotonic() - start
-
-    assert 0.05 <= elapsed < 1.0
-    assert 1 < event.num_queries < 5000, "polls with sleeps, never spins"
+@pytest.fixture
+def cuda_events(monkeypatch: pytest.MonkeyPatch) -> list[FakeEvent]:
+    CREATED.clear()
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return CREATED
 
 
-def test_a_completed_event_is_ready_even_with_no_time_left():
-    assert EventFence(ScriptedEvent(num_pending=0)).wait(timeout_s=0.0) is True
+def test_an_accelerator_fence_records_an_event_after_the_forward(cuda_events):
+    fence = record_fence("cuda")
+
+    (event,) = cuda_events
+    assert event.recorded
+    assert isinstance(fence, EventFence)
+
+
+def test_an_event_fence_is_asked_without_blocking_until_it_completes(cuda_events):
+    fence = record_fence("cuda")
+    (event,) = cuda_events
+
+    assert [fence.is_ready() for _ in range(3)] == [False, False, True]
+    assert fence.is_ready(), "stays ready"
+    assert event.num_queries == 3, "not asked again once complete"
 
 
 def test_no_fence_is_always_ready():
-    assert NoFence().wait(timeout_s=0.0) is True
+    assert NoFence().is_ready() is True
 
 
 def test_the_cpu_forward_needs_no_fence():

@@ -19,9 +19,24 @@ from typing import Any
 import pytest
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KvPushMetadata, PushTrigger, RecvExpect
-from kvpush.connector.scheduler import KvPushScheduler
-from kvpush.transfer.messages import Cancel, DecodeLeg, PrefillLeg, Registration
+from kvpush.connector.decode.scheduler import DecodeScheduler
+from kvpush.connector.metadata import (
+    DecodeMetadata,
+    PreemptedPush,
+    PrefillMetadata,
+    PushTrigger,
+    RecvExpect,
+)
+from kvpush.connector.prefill.scheduler import PrefillScheduler
+from kvpush.transfer.messages import (
+    Cancel,
+    Cause,
+    DecodeLeg,
+    Failure,
+    HelloRequest,
+    PrefillLeg,
+    Registration,
+)
 from tests.fakes.fake_nixl import FakePeers, leftovers
 
 BS = 128
@@ -75,41 +90,44 @@ class SchedulerOutput:
     scheduled_new_reqs: list[NewReq] = field(default_factory=list)
     scheduled_cached_reqs: CachedReqs = field(default_factory=CachedReqs)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_req_ids: set[str] | None = None
 
 
-def make_scheduler(role: str, trace_dir: str = "") -> tuple[KvPushScheduler, FakePeers]:
-    engine = "d0" if role == "decode" else "p0"
-    config = ConnectorConfig(
+def config_for(role: str, trace_dir: str = "") -> ConnectorConfig:
+    return ConnectorConfig(
         role=role,  # type: ignore[arg-type]
-        engine_id=engine,
+        engine_id="d0" if role == "decode" else "p0",
         side_channel_host="127.0.0.1",
         side_channel_port=5601,
         block_size=BS,
         trace_dir=trace_dir,
     )
-    sched = KvPushScheduler(config)
+
+
+def make_decode(trace_dir: str = "") -> tuple[DecodeScheduler, FakePeers]:
+    sched = DecodeScheduler(config_for("decode", trace_dir))
     sched._peers.close()
     peers = FakePeers()
     sched._peers = peers  # type: ignore[assignment]
+    sched._send = peers.send
     return sched, peers
 
 
 @pytest.fixture
-def decode() -> Iterator[tuple[KvPushScheduler, FakePeers]]:
-    sched, peers = make_scheduler("decode")
+def decode() -> Iterator[tuple[DecodeScheduler, FakePeers]]:
+    sched, peers = make_decode()
     yield sched, peers
     sched.close()
 
 
 @pytest.fixture
-def prefill() -> Iterator[KvPushScheduler]:
-    sched, peers = make_scheduler("prefill")
+def prefill() -> Iterator[PrefillScheduler]:
+    sched = PrefillScheduler(config_for("prefill"))
     yield sched
-    assert peers.sent == [], "prefill's scheduler sends nothing itself"
     sched.close()
 
 
-def empty_step(sched: KvPushScheduler) -> KvPushMetadata:
+def empty_step(sched: Any) -> Any:
     return sched.build_connector_meta(SchedulerOutput())
 
 
@@ -139,7 +157,6 @@ def test_allocation_registers_the_blocks_after_the_local_hit(decode):
                 transfer_id="t1",
                 decode_engine_id="d0",
                 decode_boot_id=sched.config.boot_id,
-                decode_agent_name="kvpush-d0",
                 dst_block_ids=(1, 2, 3),  # prompt blocks 2..4; 9 is past it
                 num_tokens=PROMPT,
                 ttl_s=sched.config.registration_ttl_s,
@@ -224,7 +241,7 @@ def test_invalid_params_are_ignored_and_the_request_is_served_locally(decode, pa
 
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
-    assert empty_step(sched) == KvPushMetadata()
+    assert empty_step(sched) == DecodeMetadata()
     assert sched.request_finished(req) == (False, None)
     assert peers.sent == []
 
@@ -297,7 +314,7 @@ def test_decode_request_finishing_after_its_kv_arrived_cancels_nothing(decode):
 
 
 def test_decode_traces_the_registration_and_the_first_decode_step(tmp_path: Path):
-    sched, _ = make_scheduler("decode", trace_dir=str(tmp_path))
+    sched, _ = make_decode(trace_dir=str(tmp_path))
     try:
         req = FakeRequest("r1", DECODE_PARAMS)
         sched.get_num_new_matched_tokens(req, 0)
@@ -321,15 +338,15 @@ def test_decode_traces_the_registration_and_the_first_decode_step(tmp_path: Path
 # -- prefill ---------------------------------------------------------------------
 
 
-def admit(sched: KvPushScheduler, req: FakeRequest) -> None:
+def admit(sched: PrefillScheduler, req: FakeRequest) -> None:
     """vLLM admits a waiting request: match, allocate."""
     assert sched.get_num_new_matched_tokens(req, req.num_computed_tokens) == (0, False)
     sched.update_state_after_alloc(req, FakeBlocks([]), 0)
 
 
 def run_step(
-    sched: KvPushScheduler, req: FakeRequest, num_tokens: int, out: SchedulerOutput
-) -> KvPushMetadata:
+    sched: PrefillScheduler, req: FakeRequest, num_tokens: int, out: SchedulerOutput
+) -> PrefillMetadata:
     """One engine step that computes ``num_tokens`` of ``req``; vLLM builds
     the metadata before it advances ``num_computed_tokens``."""
     out.num_scheduled_tokens = {req.request_id: num_tokens}
@@ -447,3 +464,105 @@ def test_a_plain_request_on_prefill_is_freed_normally(prefill):
     assert run_step(prefill, req, PROMPT, new(req, [1, 2, 3, 4, 5])).triggers == []
     assert prefill.request_finished(req) == (False, None)
     assert not prefill.has_pending_push_work()
+
+
+def test_a_request_aborted_before_allocation_cancels_its_transfer(prefill):
+    """Loose end of issue 9: aborted while still queued, it met the connector
+    only in ``request_finished``; decode's registration must not wait out
+    prefill's deadline (about 59 s)."""
+    req = FakeRequest("r2", PREFILL_PARAMS)
+
+    assert prefill.request_finished(req) == (False, None)
+
+    assert empty_step(prefill).cancels == ["t2"]
+    assert leftovers(prefill) == {}
+
+
+def test_preemption_after_the_trigger_is_handed_to_the_worker_once(prefill):
+    """Async scheduling: the max_tokens=1 request still runs in the next
+    schedule() and can be preempted there, its blocks freed at once."""
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+    run_step(prefill, req, PROMPT, new(req, [1, 2, 3, 4, 5]))  # triggers
+
+    out = cached(req, None)
+    out.preempted_req_ids = {"r2"}
+    meta = prefill.build_connector_meta(out)
+
+    assert meta.preempted == [PreemptedPush("r2", "t2")]
+    assert not prefill.has_pending_push_work(), "nothing of ours holds blocks"
+    # vLLM recomputes it; the recompute does not push again
+    req.num_computed_tokens = 0
+    again = run_step(prefill, req, PROMPT, cached(req, [7, 8, 9, 10, 11], True))
+    assert again.triggers == [] and again.preempted == []
+    assert prefill.request_finished(req) == (False, None), "vLLM frees its blocks"
+    assert leftovers(prefill) == {}
+
+
+def test_preemption_before_the_trigger_needs_no_worker_action(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+    run_step(prefill, req, 256, new(req, [1, 2]))
+    out = SchedulerOutput(preempted_req_ids={"r2"})
+    assert prefill.build_connector_meta(out).preempted == []
+
+
+def test_a_second_prefill_request_with_a_transfer_id_in_use_is_served_locally(
+    prefill,
+):
+    first = FakeRequest("r2", PREFILL_PARAMS)
+    twin = FakeRequest("r9", PREFILL_PARAMS)  # crafted: same transfer id
+    admit(prefill, first)
+    admit(prefill, twin)
+
+    meta = run_step(prefill, first, PROMPT, new(first, [1, 2, 3, 4, 5]))
+    twin_meta = run_step(prefill, twin, PROMPT, new(twin, [6, 7, 8, 9, 10]))
+
+    assert meta.triggers == [trigger_for(first, (1, 2, 3, 4, 5))]
+    assert twin_meta.triggers == [], "the twin never pushes"
+    assert prefill.request_finished(twin) == (False, None)
+    assert prefill.counters.get("rejected.duplicate") == 1
+    assert prefill.request_finished(first) == (True, None), "the first goes on"
+
+
+def test_a_second_decode_request_with_a_transfer_id_in_use_is_served_locally(decode):
+    sched, peers = decode
+    first, twin = FakeRequest("r1", DECODE_PARAMS), FakeRequest("r9", DECODE_PARAMS)
+    sched.get_num_new_matched_tokens(first, 0)
+    sched.update_state_after_alloc(first, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+
+    assert sched.get_num_new_matched_tokens(twin, 0) == (0, False)
+    sched.update_state_after_alloc(twin, FakeBlocks([1, 2, 3, 4, 10]), 0)
+    assert sched.request_finished(twin) == (False, None)
+
+    assert len(peers.messages(Registration)) == 1
+    assert peers.messages(Cancel) == [], "the twin cancels nothing of the first's"
+    assert [e.req_id for e in empty_step(sched).expects] == ["r1"]
+
+
+def test_a_registration_that_cannot_be_sent_fails_its_receive_at_once(decode):
+    sched, peers = decode
+    peers.send_ok = False
+    req = FakeRequest("r1", DECODE_PARAMS)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+
+    meta = empty_step(sched)
+    assert [e.transfer_id for e in meta.expects] == ["t1"]
+    assert [(f.transfer_id, f.cause) for f in meta.failures] == [
+        ("t1", Cause.SEND_FAILED)
+    ]
+
+
+def test_prefills_answers_on_the_schedulers_socket_go_to_the_worker(decode):
+    """A rejection of a first-contact registration arrives before any Hello:
+    its only route back is the registration's own socket."""
+    sched, peers = decode
+    failure = Failure("t1", "p0", Cause.REJECTED, "blocks beyond decode's cache")
+    peers.queue_reply(failure, (PREFILL_HOST, PREFILL_PORT))
+    peers.queue_reply(HelloRequest("p0", "boot", "t1"), (PREFILL_HOST, PREFILL_PORT))
+
+    meta = empty_step(sched)
+
+    assert meta.failures == [failure]
+    assert meta.hello_requests == [(PREFILL_HOST, PREFILL_PORT)]

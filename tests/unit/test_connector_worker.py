@@ -1,14 +1,15 @@
-"""The connector's worker side, without NIXL or sockets.
+"""The connector's worker sides, without NIXL or sockets.
 
 Decode: each expected transfer is reported finished exactly once, when its
 Done notification arrives (even one step before the worker learns to expect
-it), when the prefill reports a Failure, or when its deadline passes; in the
-last two cases its blocks are reported as load errors so that vLLM does not
-use them. Prefill: each step's triggers and cancels go to the writer after
-the forward, and a request's blocks are released once both vLLM has finished
-the request and the writer has finished its push.
-
-``layout_of`` maps vLLM's CPU cache tensors to a :class:`KvLayout`.
+it), when the prefill reports a Failure (also before the expect, and also
+through the scheduler), or when the prefill process is proven gone; after a
+Failure its blocks are reported as load errors so that vLLM does not use
+them. A deadline never frees blocks: it quarantines them and asks prefill.
+Prefill: each step's triggers and cancels go to the writer after the
+forward, a request's blocks are released once both vLLM has finished the
+request and the writer has finished its push, and preempted requests are
+never reported.
 """
 
 from __future__ import annotations
@@ -17,22 +18,29 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
-from kvpush.connector import worker as worker_module
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.fence import NoFence
-from kvpush.connector.metadata import KvPushMetadata, PushTrigger, RecvExpect
-from kvpush.connector.worker import KvPushWorker, layout_of
+from kvpush.connector.decode import worker as worker_module
+from kvpush.connector.decode.worker import DecodeWorker
+from kvpush.connector.metadata import (
+    DecodeMetadata,
+    PreemptedPush,
+    PrefillMetadata,
+    PushTrigger,
+    RecvExpect,
+)
+from kvpush.connector.prefill.fence import NoFence
+from kvpush.connector.prefill.worker import PrefillWorker
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import (
     Cancel,
+    Cause,
     Done,
     Failure,
-    Heartbeat,
     Hello,
     HelloReply,
+    HelloRequest,
     encode,
 )
 from tests.fakes.fake_nixl import FakeNixlIO, FakePeers, leftovers
@@ -67,8 +75,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     return fake
 
 
-def make_worker(role: str) -> KvPushWorker:
-    config = ConnectorConfig(
+def make_config(role: str) -> ConnectorConfig:
+    return ConnectorConfig(
         role=role,  # type: ignore[arg-type]
         engine_id="d0" if role == "decode" else "p0",
         side_channel_host="127.0.0.1",
@@ -76,41 +84,66 @@ def make_worker(role: str) -> KvPushWorker:
         block_size=BS,
         registration_ttl_s=TTL_S,
     )
-    return KvPushWorker(config)
+
+
+class RecordingHeartbeats:
+    """Stands in for the heartbeat thread: the targets it was given."""
+
+    def __init__(self) -> None:
+        self.targets: frozenset[tuple[str, int]] = frozenset()
+
+    def set_targets(self, addresses: frozenset[tuple[str, int]]) -> None:
+        self.targets = addresses
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
 class Decode:
-    worker: KvPushWorker
+    worker: DecodeWorker
     io: FakeNixlIO
     peers: FakePeers
+    clock: FakeTime
+    heartbeats: RecordingHeartbeats
 
-    def expect(self, tid: str = "t1", req_id: str = "r1") -> None:
+    def expect(
+        self,
+        tid: str = "t1",
+        req_id: str = "r1",
+        address: tuple[str, int] = PREFILL_ADDR,
+    ) -> None:
         expect = RecvExpect(
             req_id=req_id,
             transfer_id=tid,
             dst_block_ids=BLOCKS[tid],
             prefill_engine_id="p0",
-            prefill_host=PREFILL_ADDR[0],
-            prefill_port=PREFILL_ADDR[1],
+            prefill_host=address[0],
+            prefill_port=address[1],
         )
-        self.worker.bind(KvPushMetadata(expects=[expect]))
+        self.worker.bind(DecodeMetadata(expects=[expect]))
 
-    def step(self) -> set[str]:
-        """One engine step with no new instructions; the received requests."""
-        self.worker.bind(KvPushMetadata())
-        self.worker.wait_for_save()
-        sending, received = self.worker.get_finished(set())
-        assert sending == set(), "decode never sends"
+    def step(self, meta: DecodeMetadata | None = None) -> set[str]:
+        """One engine step; the received requests."""
+        self.worker.bind(meta or DecodeMetadata())
+        return self.worker.get_finished()
+
+    def run(self, seconds: float) -> set[str]:
+        """Step once a second for ``seconds``; every request received."""
+        received: set[str] = set()
+        for _ in range(int(seconds)):
+            self.clock.now += 1.0
+            received |= self.step()
         return received
 
     def done(self, tid: str = "t1") -> None:
         self.io.deliver(encode(Done(transfer_id=tid, engine_id="p0", num_blocks=3)))
 
 
-def assert_idle(worker: KvPushWorker) -> None:
+def assert_idle(worker: DecodeWorker) -> None:
     """Nothing is held for any transfer (per-peer connection state aside)."""
-    assert leftovers(worker, ignore={"_greeted", "_connected"}) == {}
+    ignore = {"_greeted", "_connected", "_prefill_boots"}
+    assert leftovers(worker, ignore=ignore) == {}
     assert leftovers(worker._receiver) == {}
     assert worker.reserved_blocks() == 0
 
@@ -118,11 +151,14 @@ def assert_idle(worker: KvPushWorker) -> None:
 @pytest.fixture
 def decode(clock: FakeTime) -> Iterator[Decode]:
     """A decode worker as ``register_kv_caches`` leaves it, NIXL faked."""
-    worker = make_worker("decode")
+    worker = DecodeWorker(make_config("decode"))
     io = FakeNixlIO("kvpush-d0", LAYOUT)
     peers = FakePeers()
     worker._peers.close()
+    worker._heartbeats.close()
+    heartbeats = RecordingHeartbeats()
     worker._io, worker._peers = io, peers  # type: ignore[assignment]
+    worker._heartbeats = heartbeats  # type: ignore[assignment]
     worker._hello = Hello(
         engine_id="d0",
         boot_id="b0",
@@ -130,7 +166,7 @@ def decode(clock: FakeTime) -> Iterator[Decode]:
         nixl_metadata=io.metadata,
         layout=LAYOUT,
     )
-    yield Decode(worker, io, peers)
+    yield Decode(worker, io, peers, clock, heartbeats)
     worker.close()
     assert io.misuse == []
     assert clock.sleeps == [], "the worker never blocks vLLM's engine loop"
@@ -171,47 +207,84 @@ def test_a_done_one_step_before_its_expect_is_kept_for_it(decode: Decode):
 
 def test_a_failure_from_prefill_finishes_the_receive_with_load_errors(decode):
     decode.expect()
-    decode.peers.queue_reply(
-        Failure(transfer_id="t1", engine_id="p0", cause="write_failed")
-    )
+    decode.peers.queue_reply(Failure("t1", "p0", Cause.WRITE_FAILED))
 
     assert decode.step() == {"r1"}
     assert decode.worker.take_load_errors() == {3, 4, 5}
     assert decode.worker.take_load_errors() == set(), "reported once"
-    decode.done()  # a Done after all is ignored
+    assert decode.worker.counters.get("receive_failed.write_failed") == 1
+
+
+def test_a_failure_before_its_expect_is_kept_for_it(decode: Decode):
+    """Issue 9 item 5: a fast rejection used to be dropped, stalling the
+    request until its deadline (about 65 s)."""
+    decode.peers.queue_reply(Failure("t1", "p0", Cause.REJECTED))
     assert decode.step() == set()
 
-
-def test_an_overdue_receive_finishes_with_load_errors(decode, clock: FakeTime):
     decode.expect()
-    clock.now += TTL_S
-    assert decode.step() == set(), "the deadline leaves a margin past the TTL"
-
-    clock.now += 5.1
 
     assert decode.step() == {"r1"}
     assert decode.worker.take_load_errors() == {3, 4, 5}
     assert_idle(decode.worker)
 
 
-def test_a_late_done_after_a_failure_is_forgotten(decode, clock: FakeTime):
+def test_a_failure_forwarded_by_the_scheduler_fails_the_receive(decode: Decode):
+    """A rejection of a first-contact registration comes back on the
+    scheduler's socket; the scheduler forwards it in the step's metadata."""
     decode.expect()
-    decode.peers.queue_reply(Failure(transfer_id="t1", engine_id="p0", cause="expired"))
+    failure = Failure("t1", "p0", Cause.REJECTED, "beyond decode's cache")
+
+    assert decode.step(DecodeMetadata(failures=[failure])) == {"r1"}
+    assert decode.worker.take_load_errors() == {3, 4, 5}
+
+
+def test_an_overdue_receive_is_quarantined_not_freed(decode: Decode):
+    """Issue 9 item 2: past its deadline prefill may still be alive and
+    writing; the blocks stay held (and counted) until prefill answers."""
+    decode.expect()
+    assert decode.run(TTL_S) == set()
+    assert decode.peers.messages(Cancel) == []
+
+    assert decode.run(6) == set(), "the deadline does not free the blocks"
+
+    assert decode.worker.reserved_blocks() == 3
+    assert decode.worker.counters.get("quarantined.blocks") == 3
+    assert decode.worker._receiver.quarantined_blocks() == 3
+    (ask,) = decode.peers.messages(Cancel)
+    assert ask.transfer_id == "t1", "decode asks prefill for its final word"
+    decode.peers.queue_reply(Failure("t1", "p0", Cause.CANCELLED))
     assert decode.step() == {"r1"}
-    decode.worker.take_load_errors()
-
-    decode.done()  # the write landed after all
-    assert decode.step() == set()
-    clock.now += TTL_S + 10  # however long a Done may wait for its expect
-    assert decode.step() == set()
-
+    assert decode.worker.take_load_errors() == {3, 4, 5}
+    assert decode.worker.counters.get("quarantine.released") == 1
     assert_idle(decode.worker)
+
+
+def test_a_late_done_completes_a_quarantined_receive(decode: Decode):
+    decode.expect()
+    decode.run(TTL_S + 6)
+
+    decode.done()  # prefill was stalled, not dead: its WRITE landed
+
+    assert decode.step() == {"r1"}
+    assert decode.worker.take_load_errors() == set(), "the KV is good"
+    assert_idle(decode.worker)
+
+
+def test_decode_that_was_itself_stopped_does_not_blame_prefill(decode: Decode):
+    """Issue 9 item 8: one gap of a minute between two steps (a stopped
+    process, or a very long forward) is this side's, not prefill's."""
+    decode.expect()
+    decode.clock.now += TTL_S + 10
+    decode.step()
+
+    assert decode.worker._receiver.quarantined_blocks() == 0
+    assert decode.peers.messages(Cancel) == []
 
 
 def test_only_the_failed_transfer_is_affected(decode: Decode):
     decode.expect("t1", "r1")
     decode.expect("t2", "r2")
-    decode.peers.queue_reply(Failure(transfer_id="t2", engine_id="p0", cause="expired"))
+    decode.peers.queue_reply(Failure("t2", "p0", Cause.EXPIRED))
 
     assert decode.step() == {"r2"}
     decode.done("t1")
@@ -230,24 +303,36 @@ def test_malformed_notifications_are_dropped(decode: Decode):
 def test_a_refused_hello_fails_the_transfers_expected_from_that_prefill(decode):
     decode.expect()
     decode.peers.queue_reply(
-        HelloReply(engine_id="p0", accepted=False, reason="block_bytes differs")
+        HelloReply("p0", accepted=False, boot_id="pb", reason="block_bytes differs")
     )
 
     assert decode.step() == {"r1"}
 
 
+def test_a_hello_request_makes_decode_greet_again(decode: Decode):
+    """Issue 9 item 8: a prefill that forgot this decode says so, and the
+    pair converges instead of failing every transfer with "no hello"."""
+    decode.expect()
+    hellos = len(decode.peers.messages(Hello))
+
+    decode.peers.queue_reply(HelloRequest("p0", "b0", "t1"), PREFILL_ADDR)
+    decode.step()
+    assert len(decode.peers.messages(Hello)) == hellos + 1
+
+    decode.step(DecodeMetadata(hello_requests=[PREFILL_ADDR]))  # via the scheduler
+    assert len(decode.peers.messages(Hello)) == hellos + 2
+
+
 def test_a_receive_aborted_in_vllm_is_released_only_on_prefills_answer(decode):
     decode.expect()
-    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))
+    decode.worker.bind(DecodeMetadata(recv_cancels=["t1"]))
 
-    (cancel,) = [m for m in decode.peers.messages(Cancel)]
+    (cancel,) = decode.peers.messages(Cancel)
     assert cancel.transfer_id == "t1"
     assert decode.step() == set(), "a WRITE may still land: blocks stay held"
     assert decode.worker.reserved_blocks() == 3
 
-    decode.peers.queue_reply(
-        Failure(transfer_id="t1", engine_id="p0", cause="cancelled")
-    )
+    decode.peers.queue_reply(Failure("t1", "p0", Cause.CANCELLED))
     assert decode.step() == {"r1"}
     assert decode.worker.take_load_errors() == set(), "the request is gone"
     assert decode.worker.counters.get("aborted.released") == 1
@@ -256,7 +341,7 @@ def test_a_receive_aborted_in_vllm_is_released_only_on_prefills_answer(decode):
 
 def test_a_receive_aborted_in_vllm_is_released_by_the_done_of_its_write(decode):
     decode.expect()
-    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))
+    decode.worker.bind(DecodeMetadata(recv_cancels=["t1"]))
     assert decode.step() == set()
 
     decode.done()
@@ -266,18 +351,16 @@ def test_a_receive_aborted_in_vllm_is_released_by_the_done_of_its_write(decode):
     assert_idle(decode.worker)
 
 
-def test_an_aborted_receive_nobody_answers_is_released_at_its_deadline(
-    decode, clock: FakeTime
-):
+def test_an_aborted_receive_nobody_answers_stays_held_past_its_deadline(decode):
     decode.expect()
-    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))
-    decode.worker.bind(KvPushMetadata(recv_cancels=["t1"]))  # vLLM repeats: one Cancel
+    decode.worker.bind(DecodeMetadata(recv_cancels=["t1"]))
+    decode.worker.bind(DecodeMetadata(recv_cancels=["t1"]))  # vLLM repeats: one Cancel
     assert len(decode.peers.messages(Cancel)) == 1
-    clock.now += TTL_S
-    assert decode.step() == set()
 
-    clock.now += 5.1
+    assert decode.run(TTL_S + 6) == set()
 
+    assert decode.worker.reserved_blocks() == 3, "quarantined, not reused"
+    decode.peers.queue_reply(Failure("t1", "p0", Cause.CANCELLED))
     assert decode.step() == {"r1"}
     assert decode.worker.take_load_errors() == set()
     assert_idle(decode.worker)
@@ -299,6 +382,29 @@ def test_a_lost_prefill_connection_fails_its_receives_then_greets_again(decode):
     decode.step()
     assert len(decode.peers.messages(Hello)) == hellos + 1
     assert_idle(decode.worker)
+
+
+REMOTE = ("10.0.0.2", 5600)
+BLOCKS["t3"] = (9, 10, 11)
+
+
+def test_a_lost_connection_across_a_network_proves_nothing(decode: Decode):
+    """Off loopback a closed connection may be a partition, with prefill
+    alive: the receive waits for proof (a new boot) or prefill's word."""
+    decode.peers.queue_reply(HelloReply("p0", True, "boot-1"), REMOTE)
+    decode.step()
+    decode.expect("t3", "r3", REMOTE)
+    decode.peers.connection(REMOTE, up=True)
+    decode.step()
+
+    decode.peers.connection(REMOTE, up=False)
+    assert decode.step() == set()
+    decode.peers.queue_reply(HelloReply("p0", True, "boot-1"), REMOTE)  # same one
+    assert decode.step() == set()
+
+    decode.peers.queue_reply(HelloReply("p0", True, "boot-2"), REMOTE)  # restarted
+    assert decode.step() == {"r3"}
+    assert decode.worker.take_load_errors() == {9, 10, 11}
 
 
 def test_old_connection_news_does_not_fail_a_new_receive(decode: Decode):
@@ -327,17 +433,14 @@ def test_a_prefill_that_never_connects_fails_the_receive(decode: Decode):
     assert decode.worker.take_load_errors() == {3, 4, 5}
 
 
-def test_heartbeats_go_every_second_to_awaited_prefills_only(decode, clock):
+def test_the_heartbeat_thread_is_given_the_awaited_prefills(decode: Decode):
     decode.step()
-    assert decode.peers.messages(Heartbeat) == [], "nothing awaited"
+    assert decode.heartbeats.targets == frozenset(), "nothing awaited"
     decode.expect()
+    assert decode.heartbeats.targets == {PREFILL_ADDR}
+    decode.done()
     decode.step()
-    decode.step()
-    assert len(decode.peers.messages(Heartbeat)) == 1
-    clock.now += 1.0
-    decode.step()
-    (_, second) = decode.peers.messages(Heartbeat)
-    assert second == Heartbeat(engine_id="d0", boot_id=decode.worker.config.boot_id)
+    assert decode.heartbeats.targets == frozenset()
 
 
 # -- prefill ---------------------------------------------------------------------
@@ -345,11 +448,14 @@ def test_heartbeats_go_every_second_to_awaited_prefills_only(decode, clock):
 
 @dataclass
 class RecordingWriter:
-    """Stands in for :class:`~kvpush.connector.writer.Writer`."""
+    """Stands in for :class:`~kvpush.connector.prefill.writer.Writer`."""
 
     ready: list[tuple[ReadyKv, str, object]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    preempted: list[set[str]] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)
+    preempt_ok: bool = True
+    write_timeout_s: float = 1.0
 
     def kv_ready(self, ready: ReadyKv, req_id: str, fence: object) -> None:
         self.ready.append((ready, req_id, fence))
@@ -357,17 +463,21 @@ class RecordingWriter:
     def cancel(self, transfer_id: str) -> None:
         self.cancelled.append(transfer_id)
 
+    def preempt(self, transfer_ids: set[str], timeout_s: float) -> bool:
+        self.preempted.append(set(transfer_ids))
+        return self.preempt_ok
+
     def take_finished(self) -> set[str]:
         out, self.pushed = self.pushed, set()
         return out
 
-    def close(self) -> None:
-        pass
+    def close(self) -> bool:
+        return True
 
 
 @pytest.fixture
-def prefill() -> Iterator[tuple[KvPushWorker, RecordingWriter]]:
-    worker = make_worker("prefill")
+def prefill() -> Iterator[tuple[PrefillWorker, RecordingWriter]]:
+    worker = PrefillWorker(make_config("prefill"))
     writer = RecordingWriter()
     worker._writer = writer  # type: ignore[assignment]
     yield worker, writer
@@ -386,7 +496,7 @@ def trigger(req_id: str = "r1", tid: str = "t1") -> PushTrigger:
 
 def test_prefill_hands_triggered_kv_to_the_writer_after_the_forward(prefill):
     worker, writer = prefill
-    worker.bind(KvPushMetadata(triggers=[trigger()], cancels=["t9"]))
+    worker.bind(PrefillMetadata(triggers=[trigger()], cancels=["t9"]))
     assert (writer.ready, writer.cancelled) == ([], []), "not before the forward"
 
     worker.wait_for_save()
@@ -402,73 +512,53 @@ def test_prefill_hands_triggered_kv_to_the_writer_after_the_forward(prefill):
 
 def test_prefill_releases_blocks_once_vllm_and_the_writer_are_both_done(prefill):
     worker, writer = prefill
-    worker.bind(KvPushMetadata(triggers=[trigger("r1", "t1"), trigger("r2", "t2")]))
+    worker.bind(PrefillMetadata(triggers=[trigger("r1", "t1"), trigger("r2", "t2")]))
     worker.wait_for_save()
     writer.pushed = {"r1"}  # pushed before vLLM finished the request
-    assert worker.get_finished(set()) == (set(), set())
+    assert worker.get_finished(set()) == set()
 
-    assert worker.get_finished({"r1"}) == ({"r1"}, set())
-    assert worker.get_finished(set()) == (set(), set()), "reported once"
+    assert worker.get_finished({"r1"}) == {"r1"}
+    assert worker.get_finished(set()) == set(), "reported once"
 
-    assert worker.get_finished({"r2"}) == (set(), set())  # vLLM first this time
+    assert worker.get_finished({"r2"}) == set()  # vLLM first this time
     writer.pushed = {"r2"}
-    assert worker.get_finished(set()) == ({"r2"}, set())
+    assert worker.get_finished(set()) == {"r2"}
     assert leftovers(worker) == {}
 
 
 def test_prefill_forgets_finished_requests_that_push_nothing(prefill):
     worker, _ = prefill
-    worker.bind(KvPushMetadata())
+    worker.bind(PrefillMetadata())
     worker.wait_for_save()
 
-    assert worker.get_finished({"plain", "aborted"}) == (set(), set())
+    assert worker.get_finished({"plain", "aborted"}) == set()
 
     assert leftovers(worker) == {}
 
 
-# -- layout_of ---------------------------------------------------------------------
+def test_preempted_requests_are_closed_before_the_forward_and_never_reported(
+    prefill,
+):
+    """Issue 9 item 1: vLLM frees a preempted request's blocks itself; the
+    worker must wait for the writer and then never report it (vLLM asserts
+    on finished_sending for a request it no longer holds for us)."""
+    worker, writer = prefill
+    worker.bind(PrefillMetadata(triggers=[trigger("r1", "t1")]))
+    worker.wait_for_save()
+
+    worker.handle_preemptions(PrefillMetadata(preempted=[PreemptedPush("r1", "t1")]))
+
+    assert writer.preempted == [{"t1"}]
+    writer.pushed = {"r1"}  # the writer released it (closed the transfer)
+    assert worker.get_finished({"r1"}) == set()
+    assert leftovers(worker) == {}
 
 
-def cpu_cache(num_layers=3, num_blocks=10, kv_heads=2, head_size=8, dtype=None):
-    """vLLM's CPU KV cache: one allocation, a view per layer shaped
-    [num_blocks, kv_heads, block_size, 2 * head_size]."""
-    shape = (num_layers, num_blocks, kv_heads, BS, 2 * head_size)
-    whole = torch.zeros(shape, dtype=dtype or torch.float32)
-    return whole, {f"model.layers.{i}.attn": whole[i] for i in range(num_layers)}
+def test_preemption_refuses_to_return_while_a_write_may_read_the_blocks(prefill):
+    worker, writer = prefill
+    writer.preempt_ok = False  # a WRITE NIXL will not stop
 
-
-@pytest.mark.parametrize(
-    ("dtype", "name", "itemsize"),
-    [(torch.float32, "float32", 4), (torch.bfloat16, "bfloat16", 2)],
-)
-def test_layout_of_the_cpu_cache_maps_every_layer_and_block(dtype, name, itemsize):
-    whole, caches = cpu_cache(dtype=dtype)
-
-    layout = layout_of(caches, BS)
-
-    block_bytes = 2 * BS * 2 * 8 * itemsize  # kv_heads * block_size * 2*head_size
-    layer_bytes = 10 * block_bytes
-    base = whole.data_ptr()
-    assert layout == KvLayout(
-        num_blocks=10,
-        block_bytes=block_bytes,
-        block_size=BS,
-        base_addrs=(base, base + layer_bytes, base + 2 * layer_bytes),
-        device_id=0,
-        kv_dtype=name,
-    )
-    assert layout.block_addr(2, 7) == whole[2, 7].data_ptr()
-
-
-def test_layout_of_refuses_layers_with_different_block_shapes():
-    _, caches = cpu_cache()
-    caches["model.layers.9.attn"] = torch.zeros(10, 4, BS, 16)
-    with pytest.raises(ValueError, match="same block shape"):
-        layout_of(caches, BS)
-
-
-def test_layout_of_refuses_blocks_that_are_not_contiguous():
-    whole = torch.zeros(2, 2, 10, BS, 16)  # [layer, head, block, ...]
-    caches = {"l0": whole[0].transpose(0, 1), "l1": whole[1].transpose(0, 1)}
-    with pytest.raises(ValueError, match="contiguous"):
-        layout_of(caches, BS)
+    with pytest.raises(RuntimeError, match="preempted"):
+        worker.handle_preemptions(
+            PrefillMetadata(preempted=[PreemptedPush("r1", "t1")])
+        )

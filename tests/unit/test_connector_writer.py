@@ -18,14 +18,15 @@ import pytest
 
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
-from kvpush.connector.fence import NoFence
+from kvpush.connector.prefill.fence import NoFence
+from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.trace import Tracer
-from kvpush.connector.writer import Writer
 from kvpush.transfer.coalesce import Desc
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import (
     Cancel,
+    Cause,
     Done,
     Failure,
     Heartbeat,
@@ -141,7 +142,6 @@ class Rig:
             transfer_id=tid,
             decode_engine_id=DECODE,
             decode_boot_id=boot_id,
-            decode_agent_name="kvpush-d0",
             dst_block_ids=dst,
             num_tokens=num_tokens,
             ttl_s=ttl_s,
@@ -200,10 +200,11 @@ class Rig:
     def held(self) -> dict[str, int]:
         """What the writer still holds besides its known peers (and when it
         last heard from each)."""
-        held = leftovers(self.writer)
-        for name in ("_matcher", "_writes", "_held_back"):
-            if len(getattr(self.writer, name)):
-                held[name] = len(getattr(self.writer, name))
+        pipeline = self.writer._pipeline
+        held = leftovers(pipeline)
+        for name in ("_matcher", "_writes"):
+            if len(getattr(pipeline, name)):
+                held[name] = len(getattr(pipeline, name))
         return held
 
     def close(self) -> None:
@@ -266,7 +267,7 @@ def test_hello_then_registration_then_ready_pushes_coalesced_runs_once(rig: Rig)
     # src [4,5,6,9] -> dst [10,11,12,13]: runs 4..6 -> 10..12 and 9 -> 13.
     assert_pushed_once(rig, [(4, 10, 3), (9, 13, 1)], num_blocks=4)
     assert rig.replies_to(DECODE_ROUTE, HelloReply) == [
-        HelloReply(engine_id=PREFILL, accepted=True)
+        HelloReply(engine_id=PREFILL, accepted=True, boot_id="0")
     ]
     assert rig.replies.of(Failure) == []
     assert rig.writer.take_finished() == set(), "a request is released once"
@@ -320,12 +321,12 @@ def test_write_completes_only_after_polls_report_done(rig: Rig):
     assert write.released
 
 
-def test_fence_is_waited_on_before_the_write_is_posted(rig: Rig):
+def test_fence_is_asked_before_the_write_is_posted(rig: Rig):
     order: list[str] = []
 
     class RecordingFence:
-        def wait(self, timeout_s: float) -> bool:
-            order.append(f"fence waited, {len(rig.io.writes_snapshot())} writes")
+        def is_ready(self) -> bool:
+            order.append(f"fence asked, {len(rig.io.writes_snapshot())} writes")
             return True
 
     rig.hello()
@@ -333,7 +334,7 @@ def test_fence_is_waited_on_before_the_write_is_posted(rig: Rig):
     rig.ready(fence=RecordingFence())
 
     assert rig.wait_finished("req-1")
-    assert order == ["fence waited, 0 writes"]
+    assert order[0] == "fence asked, 0 writes"
     assert len(rig.io.writes_snapshot()) == 1
 
 
@@ -341,13 +342,14 @@ def test_fence_is_waited_on_before_the_write_is_posted(rig: Rig):
 
 
 def assert_failed(rig: Rig, cause: str) -> None:
+    """Exactly one Failure, for t1, with ``cause``, reached decode."""
     assert wait_for(lambda: rig.replies_to(DECODE_ROUTE, Failure))
     (failure,) = rig.replies_to(DECODE_ROUTE, Failure)
     assert isinstance(failure, Failure)
     assert (failure.transfer_id, failure.engine_id, failure.cause) == (
         "t1",
         PREFILL,
-        cause,
+        Cause(cause),
     )
 
 
@@ -378,11 +380,11 @@ def test_write_that_polls_err_releases_the_request_and_tells_decode(rig: Rig):
 
 def test_fence_that_never_completes_releases_without_writing(rig: Rig):
     class StuckFence:
-        def wait(self, timeout_s: float) -> bool:
+        def is_ready(self) -> bool:
             return False
 
     rig.hello()
-    rig.register()
+    rig.register(ttl_s=1.2)  # post deadline 0.2 s after arrival
     rig.ready(fence=StuckFence())
 
     assert rig.wait_finished("req-1")

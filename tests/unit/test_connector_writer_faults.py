@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from kvpush.transfer.messages import Failure, HelloReply
+from kvpush.transfer.messages import Cause, Failure, HelloReply
 from tests.fakes.fake_nixl import wait_for
 from tests.unit.test_connector_writer import DECODE_ROUTE, PREFILL, Rig
 
@@ -29,7 +29,7 @@ def test_cancel_of_a_pending_registration_is_answered_at_once():
 
         assert wait_for(lambda: failures(rig, OTHER_ROUTE))
         (answer,) = failures(rig, OTHER_ROUTE)
-        assert (answer.transfer_id, answer.cause) == ("t1", "cancelled")
+        assert (answer.transfer_id, answer.cause) == ("t1", Cause.CANCELLED)
         rig.ready()  # prefill's KV after the cancel: released, never written
         assert rig.wait_finished("req-1")
         rig.sync()
@@ -50,9 +50,10 @@ def test_cancel_of_an_unknown_transfer_is_answered_so_decode_can_free():
         rig.close()
 
 
-def test_cancel_during_a_write_is_answered_only_when_the_write_ends():
+def test_cancel_during_a_write_nixl_cannot_cancel_waits_for_its_done():
     rig = Rig()
     try:
+        rig.io.cancellable = False
         rig.io.script_polls(*["PROC"] * 200, "DONE")
         rig.hello()
         rig.register()
@@ -65,9 +66,29 @@ def test_cancel_during_a_write_is_answered_only_when_the_write_ends():
         assert failures(rig) == [], "no answer while the WRITE may still land"
 
         assert rig.wait_finished("req-1")
-        assert write.released
+        assert write.released and not write.cancelled
+        assert rig.decode_io.notifications() == [write.notif], "Done: final word"
+        assert failures(rig) == []
+    finally:
+        rig.close()
+
+
+def test_cancel_during_a_write_cancels_it_and_answers_once_nixl_let_go():
+    rig = Rig()
+    try:
+        rig.io.script_polls(*["PROC"] * 100_000, "DONE")
+        rig.hello()
+        rig.register()
+        rig.ready()
+        assert wait_for(lambda: rig.io.writes_snapshot())
+        rig.cancel()
+
+        assert rig.wait_finished("req-1")
+        (write,) = rig.io.writes_snapshot()
+        assert write.cancelled
         assert wait_for(lambda: failures(rig))
-        assert failures(rig)[0].cause == "cancelled"
+        assert failures(rig)[0].cause is Cause.CANCELLED
+        assert rig.decode_io.notifications() == []
     finally:
         rig.close()
 
@@ -113,7 +134,7 @@ def test_a_hello_from_a_new_boot_drops_the_old_boots_registrations():
         rig.register(boot_id="old")
         rig.hello(boot_id="new")
         rig.sync()
-        assert len(rig.writer._matcher) == 0
+        assert len(rig.writer._pipeline._matcher) == 0
         assert rig.counters.get("peer_lost") == 1
 
         rig.ready()  # the KV for the dead boot's transfer: released unwritten
@@ -134,9 +155,13 @@ def test_a_silent_decode_is_dropped_after_the_peer_timeout():
         rig.hello()
         rig.register()
         rig.sync()
-        assert wait_for(lambda: len(rig.writer._matcher) == 0, 2.0)
+        assert wait_for(lambda: len(rig.writer._pipeline._matcher) == 0, 2.0)
         assert rig.counters.get("peer_lost") == 1
-        assert "d0" not in rig.writer._peers, "a later Hello must load it afresh"
+        assert wait_for(lambda: failures(rig)), "told, in case it was only stalled"
+        assert failures(rig)[0].cause is Cause.PEER_LOST
+        assert rig.writer._pipeline._peers.get("d0") is None, (
+            "a later Hello must load it afresh"
+        )
     finally:
         rig.close()
 
@@ -150,7 +175,7 @@ def test_a_decode_that_keeps_sending_heartbeats_is_kept():
             time.sleep(0.1)
             rig.heartbeat()
         rig.sync()
-        assert len(rig.writer._matcher) == 1
+        assert len(rig.writer._pipeline._matcher) == 1
         assert rig.counters.get("peer_lost") == 0
         rig.ready()
         assert rig.wait_finished("req-1")
@@ -192,7 +217,7 @@ def test_fault_file_delay_past_the_deadline_expires_the_transfer(tmp_path: Path)
 
         assert rig.wait_finished("req-1", timeout_s=3.0)
         assert wait_for(lambda: failures(rig))
-        assert failures(rig)[0].cause == "expired"
+        assert failures(rig)[0].cause is Cause.EXPIRED
         assert rig.io.writes_snapshot() == []
         assert rig.counters.get("expired.matched") == 1
     finally:
@@ -208,7 +233,9 @@ def test_fault_file_delay_ready_holds_the_kv_before_the_match(tmp_path: Path):
         rig.register()
         rig.ready()
         rig.sync()
-        assert rig.writer._matcher.is_pending("t1"), "registration still unmatched"
+        assert rig.writer._pipeline._matcher.is_pending("t1"), (
+            "registration still unmatched"
+        )
         assert rig.wait_finished("req-1")
         assert len(rig.io.writes_snapshot()) == 1
         assert rig.replies_to(DECODE_ROUTE, Failure) == []
@@ -219,7 +246,7 @@ def test_fault_file_delay_ready_holds_the_kv_before_the_match(tmp_path: Path):
 
 def test_a_write_stuck_past_its_deadline_is_cancelled_then_freed():
     rig = Rig()
-    rig.writer._writes._timeout_s = 0.2
+    rig.writer._pipeline._writes._timeout_s = 0.2
     try:
         rig.io.script_polls(*["PROC"] * 100_000, "DONE")
         rig.hello()
@@ -229,7 +256,7 @@ def test_a_write_stuck_past_its_deadline_is_cancelled_then_freed():
         assert rig.wait_finished("req-1", timeout_s=2.0)
         (write,) = rig.io.writes_snapshot()
         assert write.cancelled, "blocks freed only once NIXL cancelled the WRITE"
-        assert failures(rig)[0].cause == "write_failed"
+        assert failures(rig)[0].cause is Cause.WRITE_FAILED
         assert rig.counters.get("expired.write") == 1
     finally:
         rig.close()
@@ -237,7 +264,7 @@ def test_a_write_stuck_past_its_deadline_is_cancelled_then_freed():
 
 def test_a_write_nixl_cannot_cancel_keeps_its_blocks():
     rig = Rig()
-    rig.writer._writes._timeout_s = 0.1
+    rig.writer._pipeline._writes._timeout_s = 0.1
     try:
         rig.io.cancellable = False
         rig.io.script_polls(*["PROC"] * 3000, "DONE")  # ends after a second or so

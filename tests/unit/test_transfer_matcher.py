@@ -37,9 +37,7 @@ def reg(
     ttl_s: float = 10.0,
     engine: str = "d0",
 ) -> Registration:
-    return Registration(
-        tid, engine, "boot0", f"{engine}-agent", dst, num_tokens, ttl_s, first_block
-    )
+    return Registration(tid, engine, "boot0", dst, num_tokens, ttl_s, first_block)
 
 
 def ready(

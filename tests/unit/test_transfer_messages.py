@@ -16,12 +16,14 @@ from kvpush.transfer.messages import (
     MAX_METADATA_BYTES,
     PROTOCOL_VERSION,
     Cancel,
+    Cause,
     DecodeLeg,
     Done,
     Failure,
     Heartbeat,
     Hello,
     HelloReply,
+    HelloRequest,
     Message,
     PrefillLeg,
     ProtocolError,
@@ -38,7 +40,6 @@ REG = Registration(
     transfer_id="kvp-1a2b",
     decode_engine_id="decode0",
     decode_boot_id="1764477284000000000",
-    decode_agent_name="decode0-agent",
     dst_block_ids=(7, 8, 9),
     num_tokens=300,
     ttl_s=30.0,
@@ -46,11 +47,12 @@ REG = Registration(
 )
 MESSAGES: list[Message] = [
     Hello("decode0", "boot1", "decode0-agent", b"\x00nixl\xff" * 10, LAYOUT),
-    HelloReply("prefill0", accepted=True),
-    HelloReply("prefill0", accepted=False, reason="block_size differs"),
+    HelloReply("prefill0", accepted=True, boot_id="pb1"),
+    HelloReply("prefill0", accepted=False, boot_id="pb1", reason="block_size differs"),
+    HelloRequest("prefill0", decode_boot_id="db1", transfer_id="kvp-1a2b"),
     REG,
     Cancel("kvp-1a2b", "decode0", reason="client went away"),
-    Failure("kvp-1a2b", "prefill0", cause="expired", detail="no KV in 30 s"),
+    Failure("kvp-1a2b", "prefill0", cause=Cause.EXPIRED, detail="no KV in 30 s"),
     Heartbeat("decode0", "boot1"),
     Done("kvp-1a2b", "prefill0", num_blocks=3),
 ]
@@ -118,7 +120,7 @@ def test_unknown_message_type_is_named() -> None:
         (_raw(PROTOCOL_VERSION, _body(REG, transfer_id="")), "transfer_id"),
         (_raw(PROTOCOL_VERSION, _body(REG, num_tokens=0)), "num_tokens"),
         (_raw(PROTOCOL_VERSION, _body(REG, first_block=-1)), "first_block"),
-        (_raw(PROTOCOL_VERSION, _body(MESSAGES[5], cause="bored")), "cause"),
+        (_raw(PROTOCOL_VERSION, _body(MESSAGES[6], cause="bored")), "cause"),
         (_raw(PROTOCOL_VERSION, {"type": "done", "transfer_id": "t"}), "missing"),
     ],
 )
@@ -162,7 +164,7 @@ def test_decode_survives_any_well_formed_msgpack(value: Any) -> None:
 def test_encode_validates_like_the_receiver() -> None:
     # msgspec checks field constraints only when decoding; encode() must
     # catch a bad locally built message before it reaches a peer.
-    bad = Registration("t", "d", "b", "a", (-1,), num_tokens=1, ttl_s=1.0)
+    bad = Registration("t", "d", "b", (-1,), num_tokens=1, ttl_s=1.0)
     with pytest.raises(ProtocolError, match=">= 0"):
         encode(bad)
     with pytest.raises(ProtocolError, match="not a kvpush message"):
@@ -171,7 +173,7 @@ def test_encode_validates_like_the_receiver() -> None:
 
 def test_registration_refuses_repeated_destination_blocks_at_construction() -> None:
     with pytest.raises(ValueError, match="repeat"):
-        Registration("t", "d", "b", "a", (1, 1), num_tokens=20, ttl_s=1.0)
+        Registration("t", "d", "b", (1, 1), num_tokens=20, ttl_s=1.0)
 
 
 # -- TransferParams ---------------------------------------------------------

@@ -48,6 +48,12 @@ class DecodePeers:
             e for e in engine_ids if now - self._last_seen.get(e, now) > self.timeout_s
         }
 
+    def pardon(self, now: float) -> None:
+        """This process was stopped (its own clock jumped): nobody is blamed
+        for the gap; every known decode counts as just heard from."""
+        for engine_id in self._last_seen:
+            self._last_seen[engine_id] = now
+
     def forget(self, engine_id: str, dead: bool) -> None:
         """Drop the peer (a later Hello loads it afresh); a dead one's
         liveness too."""
@@ -65,5 +71,7 @@ class DecodePeers:
             return None
         return f"destination blocks beyond decode's {peer.layout.num_blocks}"
 
-    def __contains__(self, engine_id: str) -> bool:
-        return engine_id in self._peers
+    def knows(self, engine_id: str, boot_id: str) -> bool:
+        """Whether that decode boot said Hello (and was not forgotten)."""
+        peer = self._peers.get(engine_id)
+        return peer is not None and peer.boot_id == boot_id

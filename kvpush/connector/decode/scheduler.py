@@ -1,0 +1,187 @@
+"""Decode's scheduler side (vLLM's EngineCore process, its main thread;
+every method is called by vLLM's scheduler).
+
+A request whose leg is a :class:`DecodeLeg` claims the prompt tokens it does
+not hold in its own prefix cache as arriving from outside
+(``get_num_new_matched_tokens``); as soon as vLLM has allocated its blocks
+(``update_state_after_alloc``) the registration goes straight to the
+prefill's side channel, and the worker is told to expect the transfer.
+Prefill's answers to registrations come back on this socket: Failures and
+requests for a Hello are forwarded to the worker in the next step's
+metadata (this process never touches the receives themselves).
+
+Abort: a request that vLLM finishes while its KV is on the way keeps its
+blocks (``request_finished`` returns True): the worker sends prefill a
+Cancel and reports the request once no WRITE can land any more (see
+:mod:`kvpush.connector.decode.receiver`). A request that ends before
+registering only tells prefill not to wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource, outbound
+from kvpush.connector.legs import Legs
+from kvpush.connector.metadata import DecodeMetadata, RecvExpect
+from kvpush.connector.side_channel import Peers
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.messages import (
+    Cancel,
+    Cause,
+    DecodeLeg,
+    Failure,
+    HelloRequest,
+    Registration,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeScheduler:
+    """Owns decode's scheduler-side state; single-threaded."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self.tracer = Tracer(config.trace_dir, config.engine_id)
+        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self._peers = Peers(config.secret)
+        self._send = outbound(self._peers, FaultSource(config.fault_file)).send
+        self._legs = Legs(self.counters)
+        self._local_hits: dict[str, int] = {}  # req -> tokens in our prefix cache
+        self._closed: set[str] = set()  # registered, or gave the transfer up
+        self._receiving: dict[str, DecodeLeg] = {}  # registered, KV not in
+        self._awaiting_first_step: dict[str, str] = {}  # req -> transfer id
+        self._held: set[str] = set()  # aborted while receiving; vLLM keeps blocks
+        self._meta = DecodeMetadata()
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Every prompt token not in the local prefix cache will be pushed
+        (asynchronously). A full local hit cancels the transfer."""
+        leg = self._legs.of(request)
+        rid = request.request_id
+        if not isinstance(leg, DecodeLeg) or rid in self._closed:
+            return 0, False
+        num_external = request.num_prompt_tokens - num_computed_tokens
+        if num_external <= 0:
+            self._give_up(rid, leg, "decode holds the whole prompt")
+            return 0, False
+        self._local_hits[rid] = num_computed_tokens
+        return num_external, True
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Register the freshly allocated blocks with prefill now."""
+        leg = self._legs.of(request)
+        if not isinstance(leg, DecodeLeg) or num_external_tokens <= 0:
+            return
+        if request.request_id in self._closed:
+            return
+        self._register(request, leg, list(blocks.get_block_ids()[0]))
+
+    def _register(self, request: Any, leg: DecodeLeg, block_ids: list[int]) -> None:
+        rid, bs = request.request_id, self.config.block_size
+        first = self._local_hits.pop(rid, 0) // bs
+        dst = tuple(block_ids[first : math.ceil(request.num_prompt_tokens / bs)])
+        reg = Registration(
+            transfer_id=leg.transfer_id,
+            decode_engine_id=self.config.engine_id,
+            decode_boot_id=self.config.boot_id,
+            dst_block_ids=dst,
+            num_tokens=request.num_prompt_tokens,
+            ttl_s=self.config.registration_ttl_s,
+            first_block=first,
+        )
+        self._meta.expects.append(
+            RecvExpect(
+                req_id=rid,
+                transfer_id=leg.transfer_id,
+                dst_block_ids=dst,
+                prefill_engine_id=leg.prefill_engine_id,
+                prefill_host=leg.prefill_host,
+                prefill_port=leg.prefill_port,
+            )
+        )
+        if not self._send(leg.prefill_host, leg.prefill_port, reg):
+            self.counters.add("registration.not_sent")
+            failure = Failure(
+                transfer_id=leg.transfer_id,
+                engine_id=self.config.engine_id,
+                cause=Cause.SEND_FAILED,
+                detail="the registration could not be queued",
+            )
+            self._meta.failures.append(failure)  # no WRITE can come: fall back
+        self.tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst),
+                         request_id=rid)  # fmt: skip
+        self._closed.add(rid)
+        self._receiving[rid] = leg
+        self._awaiting_first_step[rid] = leg.transfer_id
+
+    def build_connector_meta(self, scheduler_output: Any) -> DecodeMetadata:
+        """This step's instructions for the worker; resets the accumulator."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for rid in [r for r in self._awaiting_first_step if r in num_scheduled]:
+            self.tracer.mark(self._awaiting_first_step.pop(rid), "first_decode_step")
+        self._forward_replies()
+        meta, self._meta = self._meta, DecodeMetadata()
+        self.counters.maybe_flush()
+        return meta
+
+    def _forward_replies(self) -> None:
+        """Prefill's answers on this socket are the worker's to act on."""
+        for address, msg in self._peers.receive():
+            if isinstance(msg, Failure):
+                self._meta.failures.append(msg)
+            elif isinstance(msg, HelloRequest):
+                self._meta.hello_requests.append(address)
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """Keep a request's blocks while a WRITE into them may still land."""
+        rid = request.request_id
+        leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
+        self._legs.forget(rid)
+        self._local_hits.pop(rid, None)
+        self._awaiting_first_step.pop(rid, None)
+        if isinstance(leg, DecodeLeg) and rid not in self._closed:
+            self.counters.add("aborted.before_registration")
+            self._give_up(rid, leg, "request finished before registering")
+        self._closed.discard(rid)
+        receiving = self._receiving.pop(rid, None)
+        if receiving is None:
+            return False, None
+        self._meta.recv_cancels.append(receiving.transfer_id)  # aborted
+        self._held.add(rid)
+        return True, None
+
+    def _give_up(self, rid: str, leg: DecodeLeg, reason: str) -> None:
+        """Tell prefill not to wait for a registration that will not come."""
+        cancel = Cancel(
+            transfer_id=leg.transfer_id, engine_id=self.config.engine_id, reason=reason
+        )
+        if not self._peers.send(leg.prefill_host, leg.prefill_port, cancel):
+            self.counters.add("cancel.not_sent")  # prefill's deadline covers it
+        self._closed.add(rid)
+
+    def update_connector_output(
+        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+    ) -> None:
+        self._held.difference_update(finished_recving or ())
+        for rid in finished_recving or ():
+            self._receiving.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while blocks of aborted receives are held
+        (so that the worker's ``get_finished`` runs and releases them)."""
+        return bool(self._held)
+
+    def close(self) -> None:
+        self._peers.close()
+        self.tracer.close()
+        self.counters.close()

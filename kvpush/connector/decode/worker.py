@@ -1,0 +1,220 @@
+"""Decode's worker side (vLLM's Worker process; every method is called by
+vLLM on the worker's main thread, except the heartbeat thread's own loop).
+
+``register_kv_caches`` registers the KV cache with NIXL. Decode says Hello
+to each prefill it meets (again after a reconnect, or when that prefill
+asks), watches those connections, keeps a heartbeat thread beating to the
+prefills it waits on, reads NIXL notifications (Done) and prefill's
+Failures (on its own socket, and those its scheduler forwards), and reports
+each receive finished (``get_finished``) by the rule of
+:mod:`kvpush.connector.decode.receiver`; blocks of a failed receive are
+reported as load errors so that vLLM does not use them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+
+import torch
+
+from kvpush.connector.agent import open_agent
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.counters import Counters
+from kvpush.connector.decode.heartbeat import Heartbeats
+from kvpush.connector.decode.receiver import Receiver
+from kvpush.connector.metadata import DecodeMetadata, RecvExpect
+from kvpush.connector.nixl_io import NixlIO
+from kvpush.connector.side_channel import Peers
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.messages import (
+    Cancel,
+    Done,
+    Failure,
+    Hello,
+    HelloReply,
+    HelloRequest,
+    ProtocolError,
+    decode,
+)
+
+logger = logging.getLogger(__name__)
+
+STALL_S = 2.0  # a gap this long between two steps: do not blame prefill for it
+
+Address = tuple[str, int]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (an address or localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class DecodeWorker:
+    """Owns decode's worker-side state (main thread)."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self.tracer = Tracer(config.trace_dir, config.engine_id)
+        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self._io: NixlIO | None = None
+        self._peers = Peers(config.secret, monitor=True)  # watched for liveness
+        self._hello: Hello | None = None
+        self._greeted: set[Address] = set()  # Hello sent since (re)connect
+        self._connected: set[Address] = set()
+        self._prefill_boots: dict[Address, str] = {}  # from their HelloReply
+        self._receiver = Receiver(config.registration_ttl_s, self.counters)
+        self._heartbeats = Heartbeats(
+            config.engine_id,
+            config.boot_id,
+            config.secret,
+            config.heartbeat_s,
+            self.counters,
+        )
+        self._load_errors: set[int] = set()
+        self._last_step = time.monotonic()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._io = open_agent(self.config, kv_caches)
+        self._hello = Hello(
+            engine_id=self.config.engine_id,
+            boot_id=self.config.boot_id,
+            agent_name=self._io.name,
+            nixl_metadata=self._io.metadata,
+            layout=self._io.layout,
+        )
+
+    def bind(self, meta: DecodeMetadata) -> None:
+        """Take this step's instructions (before the forward)."""
+        now = time.monotonic()
+        # Connection news, read here once per step: it predates these
+        # expects (e.g. a prefill that died and came back while this engine
+        # was idle) and must not fail them.
+        self._watch_connections()
+        for expect in meta.expects:
+            address = (expect.prefill_host, expect.prefill_port)
+            self._receiver.expect(expect, now, self._prefill_boots.get(address))
+            self._greet(address)
+        for failure in meta.failures:
+            self._receiver.failed(failure.transfer_id, failure.cause, now)
+        for address in meta.hello_requests:
+            self._greeted.discard(address)  # that prefill forgot us
+            self._greet(address)
+        for tid in meta.recv_cancels:
+            aborted = self._receiver.abort(tid)
+            if aborted is not None:  # prefill answers with its final word
+                self._ask_final_word(
+                    aborted, "request aborted while its KV was on the way"
+                )
+        self._heartbeats.set_targets(self._receiver.awaited())
+
+    def _greet(self, address: Address) -> None:
+        """Say Hello to a prefill once per connection."""
+        if address in self._greeted or self._hello is None:
+            return
+        if self._peers.send(*address, self._hello):
+            self._greeted.add(address)
+
+    def _ask_final_word(self, expect: RecvExpect, reason: str) -> None:
+        cancel = Cancel(
+            transfer_id=expect.transfer_id,
+            engine_id=self.config.engine_id,
+            reason=reason,
+        )
+        if not self._peers.send(expect.prefill_host, expect.prefill_port, cancel):
+            self.counters.add("cancel.not_sent")
+
+    def get_finished(self) -> set[str]:
+        """Decode requests whose KV has arrived or has failed."""
+        if self._io is None:
+            return set()
+        now = time.monotonic()
+        if now - self._last_step > STALL_S:
+            self._receiver.pardon(now - self._last_step)
+        self._last_step = now
+        for payload in self._io.notifications():
+            try:
+                msg = decode(payload)
+            except ProtocolError as e:
+                self.counters.add(f"rejected.{e.kind}")
+                logger.warning("kvpush: dropped a notification: %s", e.reason)
+                continue
+            if isinstance(msg, Done):
+                self.tracer.mark(msg.transfer_id, "notif_received")
+                self._receiver.done(msg.transfer_id, now)
+        self._read_replies(now)
+        for expect in self._receiver.expire(now):
+            self._ask_final_word(expect, "decode's deadline passed")
+        self._heartbeats.set_targets(self._receiver.awaited())
+        results = self._receiver.take()
+        self._load_errors |= results.load_errors
+        self.counters.maybe_flush()
+        return results.finished
+
+    def _read_replies(self, now: float) -> None:
+        for address, msg in self._peers.receive():
+            if isinstance(msg, Failure):
+                self._receiver.failed(msg.transfer_id, msg.cause, now)
+            elif isinstance(msg, HelloRequest):
+                self._greeted.discard(address)
+                self._greet(address)
+            elif isinstance(msg, HelloReply):
+                self._hello_reply(address, msg)
+
+    def _hello_reply(self, address: Address, reply: HelloReply) -> None:
+        old = self._prefill_boots.get(address)
+        self._prefill_boots[address] = reply.boot_id
+        if old is not None and old != reply.boot_id:  # the old process is gone
+            logger.warning("kvpush: the prefill at %s:%d restarted", *address)
+            self.counters.add("peer_lost")
+            self._receiver.peer_restarted(address, reply.boot_id)
+        if not reply.accepted:
+            logger.error(
+                "kvpush: prefill %s refused us: %s", reply.engine_id, reply.reason
+            )
+            self._receiver.peer_refused(reply.engine_id)
+
+    def _watch_connections(self) -> None:
+        """Greet a prefill again on every reconnect. A loopback connection
+        that closed proves the prefill process is gone (only its exit closes
+        it): fail what we wait on from it. Across a network a closed
+        connection proves nothing (a partition looks the same); there the
+        proof is a new boot id in the HelloReply after the reconnect, and
+        until then the receives wait (and are quarantined at their
+        deadline)."""
+        for event in self._peers.connection_events():
+            address = event.address
+            if event.up:
+                self._connected.add(address)
+                self._greet(address)
+                continue
+            if address in self._connected:
+                logger.warning("kvpush: lost the prefill at %s:%d", *address)
+                self._connected.discard(address)
+            self._greeted.discard(address)
+            if is_loopback(address[0]):
+                self.counters.add("peer_lost")
+                self._prefill_boots.pop(address, None)
+                self._receiver.peer_lost(address)
+
+    def reserved_blocks(self) -> int:
+        """Destination blocks still reserved for transfers."""
+        return sum(len(h.block_ids) for h in self._receiver.holds())
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._heartbeats.close()
+        self._peers.close()
+        if self._io is not None:
+            self._io.close()
+        self.tracer.close()
+        self.counters.close()

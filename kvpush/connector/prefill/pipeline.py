@@ -1,0 +1,490 @@
+"""The prefill writer's state machine: every transfer from its first half
+(a Registration or the finished KV) to prefill's final word on it.
+
+Owned by the writer thread (:mod:`kvpush.connector.prefill.writer`), which
+feeds it events and calls :meth:`Pipeline.tick`; no locks, no waits. A
+transfer is in exactly one phase here:
+
+1. *half*: one half waits in the :class:`~kvpush.transfer.matcher.Matcher`
+   (its deadline is the matcher's);
+2. *to post*: matched, waiting until decode's boot said Hello, the KV's
+   device fence completed and (fault injection only) a delay passed; all
+   within the registration's post deadline, which is checked right before
+   the post;
+3. *in flight*: a WRITE posted (:class:`~kvpush.connector.prefill.writes.Writes`).
+
+Every way out frees prefill's blocks (the request id goes to ``finished``)
+and, unless the WRITE's own Done said it, tells decode with a
+:class:`Failure`, prefill's final word: sent only once no WRITE of the
+transfer is in flight or can be posted later. Failures about a registered
+transfer go back on the socket its Registration came on (decode's
+scheduler, which forwards them to its worker), so they reach decode even
+before its Hello; answers to a Cancel go on the Cancel's socket.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource
+from kvpush.connector.nixl_io import NixlIO
+from kvpush.connector.prefill.decode_peers import DecodePeer, DecodePeers
+from kvpush.connector.prefill.fence import ReadyFence
+from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.layout import compat_problem
+from kvpush.transfer.matcher import (
+    Dropped,
+    Matched,
+    Matcher,
+    MatcherConfig,
+    ReadyKv,
+    Rejected,
+)
+from kvpush.transfer.messages import (
+    Cancel,
+    Cause,
+    Failure,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    HelloRequest,
+    Message,
+    Registration,
+)
+from kvpush.transfer.work import split_whole
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.1  # longest sleep of the writer thread
+POLL_S = 0.0005  # poll period while a WRITE is in flight or a fence pending
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker's trigger: ``req_id``'s KV for ``ready`` is computed (once
+    ``fence`` says so)."""
+
+    ready: ReadyKv
+    req_id: str
+    fence: ReadyFence
+
+
+@dataclass(frozen=True)
+class _ToPost:
+    matched: Matched
+    not_before: float  # fault injection's delay; the match time otherwise
+
+    @property
+    def engine(self) -> str:
+        return self.matched.registration.decode_engine_id
+
+    @property
+    def boot(self) -> str:
+        return self.matched.registration.decode_boot_id
+
+
+class Pipeline:
+    """Pending halves, matched transfers, WRITEs in flight, known decodes."""
+
+    def __init__(
+        self,
+        io: NixlIO,
+        engine_id: str,
+        matcher_config: MatcherConfig,
+        reply: Callable[[bytes, Message], None],
+        finished: Callable[[str], None],
+        tracer: Tracer,
+        counters: Counters,
+        peer_timeout_s: float,
+        faults: FaultSource,
+        write_timeout_s: float,
+        boot_id: str = "0",
+    ) -> None:
+        self._io, self._engine_id, self._boot_id = io, engine_id, boot_id
+        self._reply, self._finished = reply, finished
+        self._tracer, self._counters, self._faults = tracer, counters, faults
+        self._matcher = Matcher(matcher_config)
+        self._peers = DecodePeers(peer_timeout_s)
+        self._writes = Writes(io, engine_id, tracer, counters, write_timeout_s)
+        self._later: list[tuple[float, int, Ready]] = []  # fault-delayed KV
+        self._seq = itertools.count()
+        self._to_post: dict[str, _ToPost] = {}
+        self._req_of: dict[str, str] = {}  # transfer id -> prefill request id
+        self._fences: dict[str, ReadyFence] = {}
+        self._reg_route: dict[str, bytes] = {}  # where its Registration came from
+        self._preempt_waits: list[tuple[set[str], Callable[[], None]]] = []
+
+    # -- events ------------------------------------------------------------
+
+    def on_ready(self, item: Ready, now: float) -> None:
+        due = now + self._faults.ready_delay_s()
+        if due <= now:
+            self._admit(item, now)
+        else:
+            heapq.heappush(self._later, (due, next(self._seq), item))
+
+    def on_message(self, route: bytes, message: Message, now: float) -> None:
+        if isinstance(message, Hello | Heartbeat | Cancel):
+            self._peers.heard(message.engine_id, now)
+        if isinstance(message, Hello):
+            self._hello(route, message, now)
+        elif isinstance(message, Registration):
+            self._peers.heard(message.decode_engine_id, now)
+            self._registration(route, message, now)
+        elif isinstance(message, Cancel):
+            self._decode_cancel(route, message, now)
+        elif not isinstance(message, Heartbeat):
+            self._counters.add("rejected.unexpected")
+            logger.warning("kvpush writer: unexpected %s", type(message).__name__)
+
+    def on_prefill_cancel(self, tid: str, now: float) -> None:
+        """Prefill gave the request up (aborted before its KV was ready)."""
+        self._counters.add("cancelled.by_prefill")
+        self._stop(tid, Cause.CANCELLED, "prefill cancelled the request", now)
+
+    def on_preempt(
+        self, tids: Iterable[str], done: Callable[[], None], now: float
+    ) -> None:
+        """vLLM preempted these transfers' prefill requests; their blocks are
+        about to be reused. A WRITE in flight is let finish (its source is
+        intact until ``done`` is called); anything not yet posted is closed
+        and never posted."""
+        waiting = set()
+        for tid in tids:
+            if self._writes.get(tid) is not None:
+                waiting.add(tid)
+            else:
+                self._counters.add("preempted.before_write")
+                self._stop(tid, Cause.PREEMPTED, "prefill's request was preempted", now)
+        if waiting:
+            self._preempt_waits.append((waiting, done))
+        else:
+            done()
+
+    def pardon(self, now: float, gap_s: float) -> None:
+        logger.warning("kvpush writer: this process stalled for %.1f s", gap_s)
+        self._peers.pardon(now)
+
+    # -- the writer's tick -----------------------------------------------------
+
+    @property
+    def steps(self) -> tuple[Callable[[float], None], ...]:
+        """What each tick runs, in order (each guarded on its own)."""
+        return (self._admit_due, self._post_due, self._poll, self._expire, self._flush)
+
+    def tick(self, now: float) -> None:
+        for step in self.steps:
+            step(now)
+
+    def _flush(self, now: float) -> None:
+        self._counters.maybe_flush()
+
+    def wait_s(self, now: float) -> float:
+        """How long the writer may sleep before the next due work."""
+        fenced = any(
+            not self._fences[tid].is_ready()
+            for tid in self._to_post
+            if tid in self._fences
+        )
+        if self._writes or fenced:
+            return POLL_S
+        due = [self._matcher.next_deadline()]
+        due += [self._later[0][0]] if self._later else []
+        due += [tp.matched.post_deadline for tp in self._to_post.values()]
+        due += [tp.not_before for tp in self._to_post.values()]
+        soonest = min((d for d in due if d is not None), default=now + IDLE_WAIT_S)
+        return min(IDLE_WAIT_S, max(0.0, soonest - now))
+
+    def shutdown(self) -> bool:
+        """Cancel every WRITE in flight; True if NIXL let go of all."""
+        kept = self._writes.release_all()
+        if kept:
+            logger.error("kvpush writer: %d WRITE(s) still held at shutdown", kept)
+        self._counters.maybe_flush(force=True)
+        return kept == 0
+
+    # -- phase 1: halves -------------------------------------------------------
+
+    def _admit_due(self, now: float) -> None:
+        while self._later and self._later[0][0] <= now:
+            self._admit(heapq.heappop(self._later)[2], now)
+
+    def _admit(self, item: Ready, now: float) -> None:
+        tid = item.ready.transfer_id
+        if tid in self._req_of:  # another request's KV holds this id
+            self._counters.add("rejected.duplicate")
+            logger.warning("kvpush: second KV for transfer %s refused", tid)
+            self._finished(item.req_id)
+            return
+        result = self._matcher.add_ready(item.ready, now)
+        if isinstance(result, Rejected):
+            self._counters.add(f"rejected.{result.code}")
+            logger.warning("kvpush: KV of %s refused: %s", tid, result.reason)
+            self._finished(item.req_id)  # the matcher took nothing of ours
+            self._drop_all(result.dropped, Cause.REJECTED)
+            if result.code in ("invalid", "mismatch", "capacity"):
+                engine = item.ready.decode_engine_id
+                self._fail(tid, engine, Cause.REJECTED, result.reason)
+            return
+        self._req_of[tid] = item.req_id
+        self._fences[tid] = item.fence
+        if isinstance(result, Matched):
+            self._matched(result, now)
+
+    def _registration(self, route: bytes, reg: Registration, now: float) -> None:
+        tid, engine = reg.transfer_id, reg.decode_engine_id
+        problem = self._peers.range_problem(reg)
+        if problem is not None:  # refused; the transfer is closed
+            self._counters.add("rejected.out_of_range")
+            self._drop_all(self._matcher.cancel(tid, problem, now), None)
+            self._fail(tid, engine, Cause.REJECTED, problem, route)
+            return
+        result = self._matcher.add_registration(reg, now)
+        if isinstance(result, Rejected):
+            self._counters.add(f"rejected.{result.code}")
+            logger.warning("kvpush: registration %s refused: %s", tid, result.reason)
+            if result.code == "duplicate":
+                return  # the transfer carries on; its owner must not hear of it
+            self._drop_all(result.dropped, Cause.REJECTED)
+            self._fail(tid, engine, Cause.REJECTED, result.reason, route)
+            return
+        self._reg_route[tid] = route
+        if not self._peers.knows(engine, reg.decode_boot_id):
+            ask = HelloRequest(self._engine_id, reg.decode_boot_id, tid)
+            self._reply(route, ask)
+        if isinstance(result, Matched):
+            self._matched(result, now)
+
+    # -- phase 2: matched, to post -------------------------------------------
+
+    def _matched(self, m: Matched, now: float) -> None:
+        self._to_post[m.transfer_id] = _ToPost(m, now + self._faults.post_delay_s())
+
+    def _post_due(self, now: float) -> None:
+        for tid, tp in list(self._to_post.items()):
+            known = self._peers.knows(tp.engine, tp.boot)
+            fence = self._fences.get(tid)
+            ready = fence is None or fence.is_ready()
+            if now > tp.matched.post_deadline:
+                del self._to_post[tid]
+                self._expired_before_post(tid, tp, known, ready)
+            elif known and ready and now >= tp.not_before:
+                del self._to_post[tid]
+                self._fences.pop(tid, None)
+                self._post(tp, now)
+
+    def _expired_before_post(
+        self, tid: str, tp: _ToPost, known: bool, ready: bool
+    ) -> None:
+        if not known:
+            self._counters.add("expired.no_hello")
+            self._end(tid, tp.engine, Cause.EXPIRED, "decode never said hello")
+        elif not ready:
+            why = "the KV's device work did not finish before the deadline"
+            self._end(tid, tp.engine, Cause.WRITE_FAILED, why)
+        else:
+            self._counters.add("expired.matched")
+            self._end(tid, tp.engine, Cause.EXPIRED, "matched after its deadline")
+
+    def _post(self, tp: _ToPost, now: float) -> None:
+        m, peer = tp.matched, self._peers.get(tp.engine)
+        problem = self._peers.range_problem(m.registration)
+        if problem is not None or peer is None:
+            self._counters.add("rejected.out_of_range")
+            self._end(m.transfer_id, tp.engine, Cause.REJECTED, problem or "no peer")
+            return
+        (item,) = split_whole(
+            m.transfer_id, m.src_block_ids, m.dst_block_ids, self._io.layout.num_layers
+        )
+        try:
+            self._writes.post(item, peer, tp.engine, now)
+        except Exception as e:
+            self._end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, str(e))
+
+    # -- phase 3: in flight ----------------------------------------------------
+
+    def _poll(self, now: float) -> None:
+        ended = self._writes.poll(now)
+        for flight, outcome in ended:
+            self._write_ended(flight, outcome)
+        if ended:
+            self._wake_preempt_waits({f.transfer_id for f, _ in ended})
+
+    def _write_ended(self, flight: InFlight, outcome: Outcome) -> None:
+        tid, engine, route = flight.transfer_id, flight.engine_id, flight.cancel_route
+        if outcome is Outcome.DONE:  # its Done went with it: the final word
+            self._tracer.mark(tid, "write_done")
+            self._release(tid)
+            self._reg_route.pop(tid, None)
+        elif outcome is Outcome.FAILED:
+            self._end(tid, engine, Cause.WRITE_FAILED, "NIXL reported an error", route)
+        else:
+            cause = flight.cancel_cause or Cause.CANCELLED
+            self._end(tid, engine, cause, f"WRITE cancelled ({cause.value})", route)
+
+    def _wake_preempt_waits(self, ended: set[str]) -> None:
+        still = []
+        for tids, done in self._preempt_waits:
+            tids -= ended
+            if tids:
+                still.append((tids, done))
+            else:
+                done()
+        self._preempt_waits = still
+
+    # -- deadlines and peers -------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        self._drop_all(self._matcher.expire(now), Cause.EXPIRED)
+        engines = self._matcher.engines_with_registrations()
+        engines |= {tp.engine for tp in self._to_post.values()}
+        for engine in self._peers.silent(engines, now):
+            self._forget(engine, f"no message for {self._peers.timeout_s:.0f} s", now)
+
+    def _hello(self, route: bytes, hello: Hello, now: float) -> None:
+        known = self._peers.get(hello.engine_id)
+        if known is not None and known.boot_id != hello.boot_id:
+            self._forget(hello.engine_id, "decode restarted", now, hello.boot_id)
+            known = None
+        problem = compat_problem(self._io.layout, hello.layout)
+        if problem is None and (known is None or known.metadata != hello.nixl_metadata):
+            try:
+                agent = self._io.load_peer(hello.agent_name, hello.nixl_metadata)
+                peer = DecodePeer(
+                    agent, hello.layout, route, hello.boot_id, hello.nixl_metadata
+                )
+                self._peers.add(hello.engine_id, peer)
+            except Exception as e:  # bad metadata is the peer's problem
+                problem = f"cannot load NIXL metadata: {e}"
+        elif problem is None and known is not None:  # same decode, new socket
+            self._peers.reroute(hello.engine_id, route)
+        reply = HelloReply(
+            engine_id=self._engine_id,
+            accepted=problem is None,
+            boot_id=self._boot_id,
+            reason=problem or "",
+        )
+        self._reply(route, reply)
+        if problem is not None:
+            self._counters.add("rejected.incompatible")
+            logger.warning("kvpush: refused decode %s: %s", hello.engine_id, problem)
+
+    def _forget(
+        self, engine: str, why: str, now: float, new_boot: str | None = None
+    ) -> None:
+        """Decode ``engine`` fell silent (``new_boot`` None: drop all its
+        transfers and tell it, in case it was only stalled) or restarted as
+        ``new_boot`` (drop the old boot's; nobody is left to tell). WRITEs
+        already in flight end by themselves."""
+        logger.warning("kvpush: dropping decode %s: %s", engine, why)
+        self._counters.add("peer_lost")
+        tell = Cause.PEER_LOST if new_boot is None else None
+        if new_boot is None:
+            gone = set(self._matcher.ids_for_engine(engine))
+        else:
+            gone = {
+                r.transfer_id
+                for r in self._matcher.registrations_of(engine)
+                if r.decode_boot_id != new_boot
+            }
+        for tid in gone:
+            self._drop_all(self._matcher.cancel(tid, why, now), tell)
+        for tid, tp in list(self._to_post.items()):
+            if tp.engine == engine and tp.boot != new_boot:
+                del self._to_post[tid]
+                self._release(tid)
+                if tell is not None:
+                    self._fail(tid, engine, tell, why)
+                else:
+                    self._reg_route.pop(tid, None)
+        self._peers.forget(engine, dead=new_boot is None)
+
+    # -- endings ---------------------------------------------------------------
+
+    def _stop(self, tid: str, cause: Cause, why: str, now: float) -> None:
+        """Close ``tid`` wherever it is; a WRITE in flight is cancelled."""
+        if self._writes.get(tid) is not None:
+            self._writes.cancel(tid, cause, None, now)
+        elif tid in self._to_post:
+            tp = self._to_post.pop(tid)
+            self._end(tid, tp.engine, cause, why)
+        else:
+            self._drop_all(self._matcher.cancel(tid, why, now), cause)
+
+    def _decode_cancel(self, route: bytes, cancel: Cancel, now: float) -> None:
+        """Decode gave the transfer up: stop it wherever it is, and answer
+        with a Failure once no WRITE of it can land any more."""
+        tid = cancel.transfer_id
+        self._counters.add("cancelled.by_decode")
+        if self._writes.get(tid) is not None:  # answered when the WRITE ends
+            self._writes.cancel(tid, Cause.CANCELLED, route, now)
+            return
+        if tid in self._to_post:
+            del self._to_post[tid]
+            self._release(tid)
+        else:
+            self._drop_all(self._matcher.cancel(tid, cancel.reason, now), None)
+        why = f"cancelled by decode: {cancel.reason}"
+        self._fail(tid, cancel.engine_id, Cause.CANCELLED, why, route)
+
+    def _drop_all(self, dropped: Iterable[Dropped], cause: Cause | None) -> None:
+        """Free what the matcher let go and, unless ``cause`` is None (the
+        caller answers decode itself, or nobody is left to tell), tell decode.
+        An expired ready KV tells decode too: its registration was lost, and
+        decode should not wait out its own deadline."""
+        for d in dropped:
+            if d.ready is not None:
+                self._release(d.transfer_id)
+            if cause is Cause.EXPIRED:
+                self._counters.add(f"expired.{d.side}")
+            if cause is not None:
+                self._fail(d.transfer_id, d.notify_engine_id, cause, d.reason)
+            else:
+                self._reg_route.pop(d.transfer_id, None)
+
+    def _end(
+        self,
+        tid: str,
+        engine: str,
+        cause: Cause,
+        detail: str,
+        route: bytes | None = None,
+    ) -> None:
+        """A matched transfer will not complete: free our blocks, tell decode."""
+        self._release(tid)
+        self._fail(tid, engine, cause, detail, route)
+
+    def _release(self, tid: str) -> None:
+        """Prefill's blocks for ``tid`` may be freed (no WRITE reads them)."""
+        self._fences.pop(tid, None)
+        req_id = self._req_of.pop(tid, None)
+        if req_id:
+            self._finished(req_id)
+
+    def _fail(
+        self,
+        tid: str,
+        engine: str,
+        cause: Cause,
+        detail: str,
+        route: bytes | None = None,
+    ) -> None:
+        """Prefill's final word on ``tid``: it will not write. Sent on
+        ``route``, else where the Registration came from, else to decode's
+        worker (its Hello's socket); dropped if none is known."""
+        logger.warning("kvpush: transfer %s failed (%s): %s", tid, cause.value, detail)
+        self._counters.add(f"failed.{cause.value}")
+        peer = self._peers.get(engine)
+        reg_route = self._reg_route.pop(tid, None)
+        route = route or reg_route or (peer.route if peer is not None else None)
+        if route is None:
+            self._counters.add("failed.unroutable")
+            return
+        failure = Failure(tid, self._engine_id, cause, detail[:1000])
+        self._reply(route, failure)

@@ -1,0 +1,160 @@
+"""Prefill's scheduler side (vLLM's EngineCore process, its main thread;
+every method is called by vLLM's scheduler).
+
+A request whose leg is a :class:`PrefillLeg` is followed chunk by chunk; in
+the step that computes its last prompt token the worker gets a
+:class:`PushTrigger` and pushes once that step's forward is done. When the
+request finishes, vLLM keeps its blocks (``request_finished`` returns True)
+until the worker reports the push over (done, failed or expired).
+
+Preemption: vLLM frees a preempted request's blocks at once and may hand
+them to another request in the same step. A preemption after the trigger
+is passed to the worker (:class:`PreemptedPush`), whose
+``handle_preemptions`` runs before the forward that could overwrite the
+blocks and returns only once no WRITE reads them; the transfer is closed
+(decode falls back to computing the prompt itself). vLLM recomputes the
+preempted request (``requires_kv_delivery``); that recompute does not push
+again: its transfer id is closed, and a second push under one id is exactly
+what the duplicate rule refuses. Its blocks are then vLLM's to free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.counters import Counters
+from kvpush.connector.legs import Legs
+from kvpush.connector.metadata import PreemptedPush, PrefillMetadata, PushTrigger
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.messages import PrefillLeg
+
+
+@dataclass
+class _Prefill:
+    """A prefill request followed until it finishes."""
+
+    request: Any
+    leg: PrefillLeg
+    block_ids: list[int] = field(default_factory=list)
+    triggered: bool = False
+    preempted: bool = False  # after the trigger: its push was closed
+
+
+class PrefillScheduler:
+    """Owns prefill's scheduler-side state; single-threaded."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self.tracer = Tracer(config.trace_dir, config.engine_id)
+        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self._legs = Legs(self.counters)
+        self._prefills: dict[str, _Prefill] = {}
+        self._held: set[str] = set()  # requests whose blocks vLLM keeps for us
+        self._meta = PrefillMetadata()
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Prefill loads nothing from outside."""
+        self._legs.of(request)
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Start following a prefill request's blocks."""
+        leg = self._legs.of(request)
+        if isinstance(leg, PrefillLeg) and request.request_id not in self._prefills:
+            self._prefills[request.request_id] = _Prefill(request, leg)
+
+    def build_connector_meta(self, scheduler_output: Any) -> PrefillMetadata:
+        """This step's instructions for the worker; resets the accumulator."""
+        self._note_preemptions(scheduler_output.preempted_req_ids or ())
+        self._track_blocks(scheduler_output)
+        self._find_last_chunks(scheduler_output.num_scheduled_tokens)
+        meta, self._meta = self._meta, PrefillMetadata()
+        self.counters.maybe_flush()
+        return meta
+
+    def _note_preemptions(self, preempted: Any) -> None:
+        for rid in preempted:
+            state = self._prefills.get(rid)
+            if state is None or not state.triggered or state.preempted:
+                continue  # not triggered yet: it pushes from its new blocks
+            state.preempted = True
+            self.counters.add("preempted.after_trigger")
+            self._meta.preempted.append(PreemptedPush(rid, state.leg.transfer_id))
+
+    def _track_blocks(self, out: Any) -> None:
+        for new in out.scheduled_new_reqs:
+            state = self._prefills.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._prefills.get(rid)
+            new_ids = cached.new_block_ids[i]
+            if state is None or new_ids is None:
+                continue
+            if rid in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0])
+            else:
+                state.block_ids.extend(new_ids[0])
+
+    def _find_last_chunks(self, num_scheduled: dict[str, int]) -> None:
+        """Trigger the push of each prefill request whose last prompt token
+        this step computes (``num_computed_tokens`` is not advanced yet)."""
+        for rid, state in self._prefills.items():
+            if state.triggered or rid not in num_scheduled:
+                continue
+            req, prompt_len = state.request, state.request.num_prompt_tokens
+            if req.num_computed_tokens + num_scheduled[rid] < prompt_len:
+                continue
+            state.triggered = True
+            num_blocks = math.ceil(prompt_len / self.config.block_size)
+            self._meta.triggers.append(
+                PushTrigger(
+                    req_id=rid,
+                    transfer_id=state.leg.transfer_id,
+                    src_block_ids=tuple(state.block_ids[:num_blocks]),
+                    num_tokens=prompt_len,
+                    decode_engine_id=state.leg.decode_engine_id,
+                )
+            )
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """Keep a request's blocks while a WRITE out of them may still run."""
+        rid = request.request_id
+        leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
+        self._legs.forget(rid)
+        state = self._prefills.pop(rid, None)
+        if not isinstance(leg, PrefillLeg):
+            return False, None
+        if state is None or not state.triggered:  # aborted before its KV was ready
+            name = "aborted.before_ready" if state else "aborted.before_allocation"
+            self.counters.add(name)
+            self._meta.cancels.append(leg.transfer_id)
+            return False, None
+        if state.preempted:  # its push was closed at the preemption
+            return False, None
+        self._held.add(rid)
+        return True, None
+
+    def update_connector_output(
+        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+    ) -> None:
+        self._held.difference_update(finished_sending or ())
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while a push may still end (so that the
+        worker's ``get_finished`` runs and releases the blocks)."""
+        return bool(self._held) or any(
+            s.triggered and not s.preempted for s in self._prefills.values()
+        )
+
+    def close(self) -> None:
+        self.tracer.close()
+        self.counters.close()

@@ -1,0 +1,147 @@
+"""Prefill's worker side (vLLM's Worker process; every method is called by
+vLLM on the worker's main thread).
+
+``register_kv_caches`` registers the KV cache with NIXL, binds the
+side-channel listener and starts the writer thread. Right after the
+forward that computed a prompt's last token (``wait_for_save``) the KV is
+handed to the writer, with a device fence. Before a forward that may reuse
+the blocks of preempted requests, ``handle_preemptions`` closes their
+pushes and waits until no WRITE reads those blocks. ``get_finished``
+reports each request whose push is over once vLLM has finished it too, so
+that vLLM frees its blocks only then.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvpush.connector.agent import open_agent
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource
+from kvpush.connector.metadata import PrefillMetadata
+from kvpush.connector.nixl_io import NixlIO
+from kvpush.connector.prefill.fence import record_fence
+from kvpush.connector.prefill.writer import Writer
+from kvpush.connector.side_channel import Listener
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.matcher import MatcherConfig, ReadyKv
+from kvpush.transfer.messages import Message
+
+logger = logging.getLogger(__name__)
+
+PREEMPT_SLACK_S = 5.0  # beyond the writer's WRITE timeout
+
+
+class PrefillWorker:
+    """Owns prefill's worker-side state (main thread)."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self.tracer = Tracer(config.trace_dir, config.engine_id)
+        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self._io: NixlIO | None = None
+        self._device_type = "cpu"
+        self._listener: Listener | None = None
+        self._writer: Writer | None = None
+        self._triggered: set[str] = set()  # handed to the writer, not preempted
+        self._finished_reqs: set[str] = set()  # of those, finished in vLLM
+        self._pushed: set[str] = set()  # of those, push over; not yet reported
+        self._meta = PrefillMetadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._device_type = next(iter(kv_caches.values())).device.type
+        self._io = open_agent(self.config, kv_caches)
+        matcher = MatcherConfig(
+            block_size=self.config.block_size, ready_ttl_s=self.config.ready_ttl_s
+        )
+        self._writer = Writer(
+            self._io,
+            self.config.engine_id,
+            matcher,
+            self._reply,
+            self.tracer,
+            self.counters,
+            self.config.peer_timeout_s,
+            FaultSource(self.config.fault_file),
+            boot_id=self.config.boot_id,
+        )
+        self._listener = Listener(
+            self.config.side_channel_host,
+            self.config.side_channel_port,
+            self._writer.on_message,
+            self.counters,
+            self.config.secret,
+        )
+
+    def _reply(self, route: bytes, message: Message) -> None:
+        if self._listener is not None:
+            self._listener.reply(route, message)
+
+    def bind(self, meta: PrefillMetadata) -> None:
+        """Take this step's instructions (before the forward)."""
+        self._meta = meta
+
+    def handle_preemptions(self, meta: PrefillMetadata) -> None:
+        """Before the forward of the step whose schedule preempted requests:
+        return only once no WRITE reads their blocks. Raises (stopping this
+        engine, which decode sees as a lost prefill) rather than let the
+        forward overwrite blocks a WRITE may still read."""
+        if not meta.preempted or self._writer is None:
+            return
+        rids = {p.req_id for p in meta.preempted}
+        self._triggered -= rids  # vLLM frees these; never report them
+        self._pushed -= rids
+        self._finished_reqs -= rids
+        tids = {p.transfer_id for p in meta.preempted}
+        timeout_s = self._writer.write_timeout_s + PREEMPT_SLACK_S
+        if not self._writer.preempt(tids, timeout_s):
+            raise RuntimeError(
+                f"kvpush: a WRITE still reads the blocks of preempted requests "
+                f"{sorted(rids)} after {timeout_s:.0f} s and NIXL would not "
+                "cancel it; stopping rather than let vLLM overwrite them"
+            )
+
+    def wait_for_save(self) -> None:
+        """After the forward: push the KV of every prompt finished this step."""
+        if self._writer is None:
+            return
+        fence = record_fence(self._device_type) if self._meta.triggers else None
+        for t in self._meta.triggers:
+            ready = ReadyKv(
+                transfer_id=t.transfer_id,
+                src_block_ids=t.src_block_ids,
+                num_tokens=t.num_tokens,
+                decode_engine_id=t.decode_engine_id,
+            )
+            self._triggered.add(t.req_id)
+            self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[arg-type]
+        for tid in self._meta.cancels:
+            self._writer.cancel(tid)
+        self._meta = PrefillMetadata()
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Prefill requests whose blocks may be freed now."""
+        if self._writer is None:
+            return set()
+        self._finished_reqs |= finished_req_ids & self._triggered
+        self._pushed |= self._writer.take_finished() & self._triggered
+        sending = self._pushed & self._finished_reqs
+        self._pushed -= sending
+        self._finished_reqs -= sending
+        self._triggered -= sending
+        return sending
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        writer_done = self._writer.close() if self._writer is not None else True
+        if self._io is not None:
+            if writer_done:
+                self._io.close()
+            else:  # deregistering under a live WRITE could corrupt memory
+                logger.error("kvpush: leaving KV memory registered at shutdown")
+        self.tracer.close()
+        self.counters.close()

@@ -1,0 +1,196 @@
+"""Prefill's background writer thread: the one owner of every push.
+
+Other threads only put events on its inbox: the listener thread (Hello,
+Registration, Cancel, Heartbeat from decodes) and the worker's main thread
+(KV ready, prefill cancelled a request, vLLM preempted requests). The engine
+loop never waits on it, except in :meth:`Writer.preempt`, which vLLM calls
+before a forward that may overwrite a preempted request's blocks and which
+must not return while a WRITE still reads them. The state machine itself is
+:class:`~kvpush.connector.prefill.pipeline.Pipeline`; this module is its
+thread, inbox and clock.
+
+Each loop: wait for the first event (at most until the next deadline or
+poll), then take every event already queued, and only then run the due
+work, poll WRITEs and judge deadlines and silence: silence is judged only
+after reading what is already queued. A loop that finds its own clock
+jumped (the process was stopped, e.g. SIGSTOP) pardons its peers for the
+gap instead of blaming them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource
+from kvpush.connector.nixl_io import NixlIO
+from kvpush.connector.prefill.fence import ReadyFence
+from kvpush.connector.prefill.pipeline import Pipeline, Ready
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.matcher import MatcherConfig, ReadyKv
+from kvpush.transfer.messages import Message, Registration
+
+logger = logging.getLogger(__name__)
+
+WRITE_TIMEOUT_S = 30.0  # a WRITE in flight longer than this is cancelled
+STALL_S = 2.0  # a loop gap this long means this process was stopped
+JOIN_S = 5.0  # close(): how long to wait for the thread (it wakes every 0.1 s)
+
+
+class Kind(enum.Enum):
+    """What an inbox entry carries."""
+
+    MESSAGE = "message"  # (route, Message) from the listener thread
+    READY = "ready"  # Ready from the worker's main thread
+    CANCEL = "cancel"  # transfer id prefill gave up
+    PREEMPT = "preempt"  # _Preempt from the worker's main thread
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class _Preempt:
+    transfer_ids: frozenset[str]
+    done: threading.Event
+
+
+class Writer:
+    """Runs the push pipeline of one prefill worker in thread ``kvpush-writer``."""
+
+    def __init__(
+        self,
+        io: NixlIO,
+        engine_id: str,
+        matcher_config: MatcherConfig,
+        reply: Callable[[bytes, Message], None],
+        tracer: Tracer,
+        counters: Counters | None = None,
+        peer_timeout_s: float = 10.0,
+        faults: FaultSource | None = None,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+        boot_id: str = "0",
+    ) -> None:
+        self._tracer = tracer
+        self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._pipeline = Pipeline(
+            io,
+            engine_id,
+            matcher_config,
+            reply,
+            self._finished.put,
+            tracer,
+            counters or Counters("", engine_id, "prefill"),
+            peer_timeout_s,
+            faults or FaultSource(""),
+            write_timeout_s,
+            boot_id,
+        )
+        self.write_timeout_s = write_timeout_s
+        self._inbox: queue.SimpleQueue[tuple[Kind, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="kvpush-writer", daemon=True
+        )
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------
+
+    def on_message(self, route: bytes, message: Message) -> None:
+        """From the listener thread: a message from a decode."""
+        if isinstance(message, Registration):
+            self._tracer.mark(message.transfer_id, "reg_received")
+        self._inbox.put((Kind.MESSAGE, (route, message)))
+
+    def kv_ready(self, ready: ReadyKv, req_id: str, fence: ReadyFence) -> None:
+        """From the worker's main thread, right after the forward that
+        computed the prompt's last token."""
+        self._tracer.mark(ready.transfer_id, "kv_ready")
+        self._inbox.put((Kind.READY, Ready(ready, req_id, fence)))
+
+    def cancel(self, transfer_id: str) -> None:
+        """From the worker's main thread: prefill gave the request up."""
+        self._inbox.put((Kind.CANCEL, transfer_id))
+
+    def preempt(self, transfer_ids: set[str], timeout_s: float) -> bool:
+        """From the worker's main thread, before a forward that may reuse the
+        blocks of preempted requests: close those transfers, and return once
+        no WRITE reads their blocks any more (one in flight is let finish:
+        its source is intact until we return). False if that did not happen
+        within ``timeout_s``; the caller must then not let the forward run."""
+        if not transfer_ids:
+            return True
+        done = threading.Event()
+        self._inbox.put((Kind.PREEMPT, _Preempt(frozenset(transfer_ids), done)))
+        return done.wait(timeout_s)
+
+    def take_finished(self) -> set[str]:
+        """Request ids whose push ended since the last call (main thread)."""
+        out = set()
+        while True:
+            try:
+                out.add(self._finished.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self, timeout_s: float = JOIN_S) -> bool:
+        """Stop the thread, cancelling WRITEs in flight. True when it ended
+        and NIXL let go of every WRITE: only then may memory be deregistered."""
+        self._stop.set()
+        self._inbox.put((Kind.STOP, None))
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("kvpush writer: did not stop within %.0f s", timeout_s)
+            return False
+        return self._pipeline.shutdown()
+
+    # -- writer thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.is_set():
+            events = self._next_events(self._pipeline.wait_s(time.monotonic()))
+            now = time.monotonic()
+            if now - last > STALL_S:
+                self._pipeline.pardon(now, now - last)
+            last = now
+            for kind, item in events:
+                self._guarded(self._handle, kind, item, now)
+            for step in self._pipeline.steps:
+                self._guarded(step, now)
+
+    def _next_events(self, wait_s: float) -> list[tuple[Kind, Any]]:
+        """The first event (waiting up to ``wait_s``) and every one queued."""
+        events = []
+        try:
+            events.append(self._inbox.get(timeout=wait_s))
+            while True:
+                events.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return events
+
+    def _handle(self, kind: Kind, item: Any, now: float) -> None:
+        p = self._pipeline
+        if kind is Kind.MESSAGE:
+            p.on_message(item[0], item[1], now)
+        elif kind is Kind.READY:
+            p.on_ready(item, now)
+        elif kind is Kind.CANCEL:
+            p.on_prefill_cancel(item, now)
+        elif kind is Kind.PREEMPT:
+            p.on_preempt(item.transfer_ids, item.done.set, now)
+
+    @staticmethod
+    def _guarded(step: Callable[..., None], *args: Any) -> None:
+        """Run one step; the writer must outlive any single failure, and a
+        failure in one step must not stop the others (deadlines included)."""
+        try:
+            step(*args)
+        except Exception:
+            logger.exception("kvpush writer: unexpected error")

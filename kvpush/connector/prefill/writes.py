@@ -1,0 +1,192 @@
+"""Prefill's WRITEs in flight, from the post until NIXL has let go of them.
+
+Used only by the writer thread (:mod:`kvpush.connector.prefill.writer`).
+A WRITE ends here in exactly one of three ways, and only once NIXL has
+released its handle, because until then the backend may still read
+prefill's blocks and write decode's:
+
+* ``DONE``: it completed; its Done notification reached decode with it;
+* ``FAILED``: NIXL said ``ERR`` (or raised), and the handle was released;
+* ``CANCELLED``: it was cancelled (decode gave it up, prefill's request was
+  preempted past the deadline, or it ran past its deadline) and NIXL
+  released it.
+
+A handle NIXL will not release stays here, and so do its blocks: its
+release is tried again every :data:`RETRY_S`, at most
+:data:`MAX_RELEASE_TRIES` times for a cancel; after that the WRITE is
+*stuck*: it is still polled (it may yet end), never cancelled again, and
+counted. Nothing here raises out of a poll or a release.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.connector.counters import Counters
+from kvpush.connector.nixl_io import NixlIO, XferState
+from kvpush.connector.prefill.decode_peers import DecodePeer
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.coalesce import descriptors, runs
+from kvpush.transfer.messages import Cause, Done, encode
+from kvpush.transfer.work import WorkItem
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # between two tries to release a handle
+MAX_RELEASE_TRIES = 3  # cancels of a running WRITE before it counts as stuck
+
+
+class Outcome(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class InFlight:
+    """One posted WRITE (one work item) and what is known about its end."""
+
+    handle: Any
+    transfer_id: str
+    engine_id: str
+    deadline: float  # past it, the WRITE is cancelled
+    cancel_route: bytes | None = None  # decode cancelled: answer there when over
+    cancel_cause: Cause | None = None  # set once a cancel was asked for
+    failed: bool = False  # NIXL said ERR; waiting for the release
+    release_tries: int = 0
+    next_try: float = 0.0
+    stuck: bool = False
+
+
+class Writes:
+    """The WRITEs in flight, by transfer id (one per transfer)."""
+
+    def __init__(
+        self,
+        io: NixlIO,
+        engine_id: str,
+        tracer: Tracer,
+        counters: Counters,
+        timeout_s: float,
+    ) -> None:
+        self._io, self._engine_id, self._tracer = io, engine_id, tracer
+        self._counters = counters
+        self._timeout_s = timeout_s
+        self._inflight: dict[str, InFlight] = {}
+
+    def post(self, item: WorkItem, peer: DecodePeer, engine: str, now: float) -> None:
+        """One WRITE for one work item (a block range x a layer range); the
+        transfer's last item carries the Done notification. Raises when it
+        cannot be posted (a block outside either cache, NIXL refusing)."""
+        if item.transfer_id in self._inflight:
+            raise RuntimeError(f"transfer {item.transfer_id} already has a WRITE")
+        done = Done(
+            transfer_id=item.transfer_id,
+            engine_id=self._engine_id,
+            num_blocks=item.num_blocks,
+        )
+        notif = encode(done) if item.notify else b""
+        block_runs = runs(item.src_block_ids, item.dst_block_ids)
+        layouts = (self._io.layout, peer.layout)
+        src, dst = descriptors(block_runs, *layouts, item.layers)
+        handle = self._io.write(src, dst, peer.agent_name, notif)
+        flight = InFlight(handle, item.transfer_id, engine, now + self._timeout_s)
+        self._inflight[item.transfer_id] = flight
+        num_bytes = item.num_blocks * self._io.layout.block_bytes
+        num_bytes *= len(item.layers) * self._io.layout.regions_per_layer
+        self._tracer.mark(
+            item.transfer_id,
+            "write_posted",
+            num_descs=len(src),
+            num_runs=len(block_runs),
+            num_blocks=item.num_blocks,
+            num_bytes=num_bytes,
+        )
+
+    def cancel(
+        self, transfer_id: str, cause: Cause, route: bytes | None, now: float
+    ) -> None:
+        """Ask NIXL to cancel the WRITE of ``transfer_id`` (``route``: decode
+        gave it up and is answered there once the WRITE is over)."""
+        flight = self._inflight.get(transfer_id)
+        if flight is None:
+            return
+        if route is not None:
+            flight.cancel_route = route
+        if flight.cancel_cause is None:
+            flight.cancel_cause, flight.next_try = cause, now
+
+    def poll(self, now: float) -> list[tuple[InFlight, Outcome]]:
+        """The WRITEs that ended since the last call, each once. Also cancels
+        those past their deadline and retries releases that NIXL refused."""
+        ended = []
+        for flight in list(self._inflight.values()):
+            overdue = now > flight.deadline and flight.cancel_cause is None
+            if overdue and not flight.failed:
+                self._counters.add("expired.write")
+                flight.cancel_cause, flight.next_try = Cause.WRITE_FAILED, now
+            try:
+                outcome = self._step(flight, now)
+            except Exception:  # never stop polling the others, or deadlines
+                logger.exception(
+                    "kvpush: polling the WRITE of %s failed", flight.transfer_id
+                )
+                flight.next_try = now + RETRY_S
+                continue
+            if outcome is not None:
+                del self._inflight[flight.transfer_id]
+                ended.append((flight, outcome))
+        return ended
+
+    def _step(self, flight: InFlight, now: float) -> Outcome | None:
+        if not flight.failed:
+            state = self._io.state(flight.handle)
+            if state is XferState.DONE:
+                if not self._io.release(flight.handle):  # it completed anyway
+                    logger.warning("kvpush: a completed WRITE kept its handle")
+                return Outcome.DONE
+            if state is XferState.ERR:
+                flight.failed, flight.next_try = True, now
+        ending = flight.failed or flight.cancel_cause is not None
+        due = ending and not flight.stuck and now >= flight.next_try
+        if due and self._try_release(flight, now):
+            return Outcome.FAILED if flight.failed else Outcome.CANCELLED
+        return None
+
+    def _try_release(self, flight: InFlight, now: float) -> bool:
+        if self._io.release(flight.handle):
+            return True
+        flight.release_tries += 1
+        flight.next_try = now + RETRY_S
+        if not flight.failed and flight.release_tries >= MAX_RELEASE_TRIES:
+            flight.stuck = True  # still polled: it may end by itself
+            self._counters.add("stuck.write")
+            logger.error(
+                "kvpush: NIXL will not cancel the WRITE of %s; its blocks stay "
+                "held until it ends",
+                flight.transfer_id,
+            )
+        return False
+
+    def get(self, transfer_id: str) -> InFlight | None:
+        return self._inflight.get(transfer_id)
+
+    def __iter__(self) -> Iterator[InFlight]:
+        return iter(list(self._inflight.values()))
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def release_all(self) -> int:
+        """Shutdown: cancel every WRITE; how many NIXL would not release."""
+        kept = 0
+        for tid, flight in list(self._inflight.items()):
+            if self._io.release(flight.handle):
+                del self._inflight[tid]
+            else:
+                kept += 1
+        return kept
