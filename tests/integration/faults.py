@@ -168,7 +168,6 @@ def garbage_messages() -> list[list[bytes]]:
         transfer_id="evil-1",
         decode_engine_id="evil",
         decode_boot_id="evil-boot",
-        decode_agent_name="kvpush-evil",
         dst_block_ids=(2**31 - 1,),
         num_tokens=16,
         ttl_s=1.5,
