@@ -1,8 +1,8 @@
 """Files a run leaves behind, rendered from ``summary.json`` and the raw
 ``requests.jsonl``: ``report.md`` and the plots; and, with ``--publish``,
 ``BENCHMARKS.md`` plus ``docs/bench/*.png`` in a repository checkout.
-Sections that other tools publish into ``BENCHMARKS.md`` (the soak's) are
-carried over from the old file."""
+Sections that other tools publish into ``BENCHMARKS.md`` (the soak's and the
+micro-benchmarks') are carried over from the old file."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from kvpush.bench.timeline import Timeline, match_by_time, read_timelines
 REPORT_FILE = "report.md"
 BENCHMARKS_FILE = "BENCHMARKS.md"
 PUBLISHED_IMAGES = Path("docs") / "bench"
-KEPT_SECTIONS = ("soak",)  # written by python -m kvpush.soak --publish
+# written by python -m kvpush.soak --publish, and kvpush bench-micro --publish
+KEPT_SECTIONS = ("soak", "micro")
 
 BENCHMARKS_PREAMBLE = """\
 The latest `kvpush bench` run on this project's development machine, generated
