@@ -1,4 +1,5 @@
-"""The ``kvpush`` command: make-model, up, down, status, router, bench, soak."""
+"""The ``kvpush`` command: make-model, up, down, status, router, bench,
+bench-micro, soak."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from kvpush import env
 from kvpush.bench.cli import add_parser as add_bench_parser
+from kvpush.bench.micro.cli import add_parser as add_bench_micro_parser
 from kvpush.topology import MODES
 
 
@@ -59,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_router_health_options(router)
     router.set_defaults(func=_cmd_router)
     add_bench_parser(sub)
+    add_bench_micro_parser(sub)
     soak = sub.add_parser(
         "soak",
         help="sustained load with client aborts: nothing lost, nothing leaked",
