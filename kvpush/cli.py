@@ -89,12 +89,6 @@ def _add_router_health_options(p: argparse.ArgumentParser) -> None:
         help="attempts per request, retries on other instances included "
         "(default 2; 1 disables retries)",
     )
-    p.add_argument(
-        "--connector-stats-dir",
-        type=Path,
-        help="directory of the kvpush connector's counters-*.json, summed into "
-        "/metrics (the launcher passes RUN_DIR/traces in kvpush mode)",
-    )
 
 
 def _add_make_model(sub: Any) -> None:
@@ -257,7 +251,6 @@ def _cmd_router(args: argparse.Namespace) -> int:
             "health_interval_s",
             "unhealthy_after",
             "max_attempts",
-            "connector_stats_dir",
         )
         if getattr(args, name) is not None
     }

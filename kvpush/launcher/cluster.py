@@ -129,10 +129,8 @@ def _spawn_router(config: ClusterConfig, run_dir: Path) -> int:
 
 
 def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
-    """The router's command line. In kvpush mode it also sums the connector's
-    counter files, written to the instances' trace dir (``RUN_DIR/traces``,
-    see ``instances.kv_transfer_config``), into its ``/metrics``."""
-    cmd = [
+    """The router's command line."""
+    return [
         sys.executable,
         "-m",
         "kvpush",
@@ -144,9 +142,6 @@ def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
         "--port",
         str(config.port),
     ]
-    if config.mode == "kvpush":
-        cmd += ["--connector-stats-dir", str(run_dir / "traces")]
-    return cmd
 
 
 def _router_env() -> dict[str, str]:

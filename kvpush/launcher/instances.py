@@ -88,7 +88,7 @@ def kv_transfer_config(
 ) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of an instance, None when colocated.
     kvpush's connector also gets its side channel, a trace directory
-    (``RUN_DIR/traces``) for per-transfer timelines and counters, any
+    (``RUN_DIR/traces``) for per-transfer timelines, any
     deadlines set in the config, and the fault file when asked for."""
     if spec.role == "colocated":
         return None

@@ -5,9 +5,9 @@ Module map: ``config`` (RouterConfig), ``requests`` (edge parsing),
 ``selection`` (which backend), ``retry`` (when to try another pair: pure),
 ``context`` (one request in flight), ``dispatch`` (the per-mode flows and
 their attempts), ``legs`` (upstream I/O), ``relay`` (the client side),
-``errors`` (OpenAI error replies), ``metrics`` (Prometheus text),
-``connector_stats`` (the connector's counter files), ``app`` (aiohttp app
-and entry points).
+``errors`` (OpenAI error replies), ``metrics`` (its own Prometheus metrics),
+``connector_stats`` (the connector events scraped from the instances),
+``app`` (aiohttp app and entry points).
 """
 
 from kvpush.router.app import RunningRouter, build_app, run_router, start_router

@@ -37,7 +37,6 @@ from kvpush.topology import Backend
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
-STATS_READ_TIMEOUT_S = 2.0  # how long a scrape waits for the connector counters
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -49,6 +48,7 @@ class RouterState:
     selector: Selector
     metrics: RouterMetrics
     health: HealthMonitor
+    connector_events: connector_stats.ConnectorEvents
     session: aiohttp.ClientSession | None = None
 
     def client(self) -> aiohttp.ClientSession:
@@ -71,11 +71,14 @@ def build_app(
         middlewares=[_request_id_middleware, _error_middleware],
     )
     metrics = RouterMetrics(config.mode)
+    events = connector_stats.ConnectorEvents()
+    metrics.register(events)
     app[STATE] = RouterState(
         config=config,
         selector=selector or RoundRobinSelector(),
         metrics=metrics,
         health=HealthMonitor(config, metrics),
+        connector_events=events,
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_health_checks)  # cleaned up first: before the session
@@ -274,18 +277,15 @@ async def _report(state: RouterState, backend: Backend) -> dict[str, Any]:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    """The router's metrics, then the connector's counters when configured
-    (read off the event loop at every scrape)."""
+    """The router's metrics; in kvpush mode also the connector's events,
+    scraped from the instances' ``/metrics`` first (bounded)."""
     state = request.app[STATE]
+    if state.config.mode == "kvpush":
+        topology = state.config.topology
+        instances = [*topology.prefills, *topology.decodes]
+        totals = await connector_stats.scrape(state.client(), instances)
+        state.connector_events.totals = totals
     text = state.metrics.render()
-    stats_dir = state.config.connector_stats_dir
-    if stats_dir is not None:
-        try:
-            async with asyncio.timeout(STATS_READ_TIMEOUT_S):
-                read = connector_stats.read_counters
-                text += connector_stats.render(await asyncio.to_thread(read, stats_dir))
-        except TimeoutError:
-            logger.warning("connector counters in %s: read timed out", stats_dir)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

@@ -7,7 +7,6 @@ nothing in the router reads the environment or mutates this object.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvpush.topology import Topology
 
@@ -32,10 +31,7 @@ class RouterConfig:
     ``max_attempts`` bounds the attempts of one request: a failed attempt is
     retried on other instances while nothing has reached the client (1: never);
     ``shutdown_timeout_s`` is how long in-flight requests may finish on stop;
-    ``max_body_bytes`` caps the size of an incoming request body (413 above);
-    ``connector_stats_dir``, when set, is where the kvpush connector writes
-    its ``counters-*.json`` (the cluster's ``RUN_DIR/traces``), summed into
-    ``/metrics`` at every scrape.
+    ``max_body_bytes`` caps the size of an incoming request body (413 above).
     ``port`` 0 asks the OS for a free port (tests use it).
     """
 
@@ -50,7 +46,6 @@ class RouterConfig:
     max_attempts: int = 2
     shutdown_timeout_s: float = 10.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    connector_stats_dir: Path | None = None
 
     def __post_init__(self) -> None:
         self.topology.validate()
@@ -82,7 +77,6 @@ class RouterConfig:
             raise ValueError(
                 f"max_body_bytes must be at least 1024, not {self.max_body_bytes}"
             )
-        _check_stats_dir(self.connector_stats_dir)
 
     @property
     def mode(self) -> str:
@@ -98,20 +92,6 @@ def _check_positive(name: str, value: float) -> None:
 def _check_count(name: str, value: int, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a whole number >= 1 of {unit}, not {value!r}")
-
-
-def _check_stats_dir(path: Path | None) -> None:
-    if path is None:
-        return
-    if not isinstance(path, Path):
-        raise ValueError(
-            f"connector_stats_dir must be a pathlib.Path or None, not {path!r}"
-        )
-    if path.exists() and not path.is_dir():
-        raise ValueError(
-            f"connector_stats_dir {str(path)!r} exists but is not a directory; "
-            "give the cluster's trace directory (RUN_DIR/traces)"
-        )
 
 
 def _check_backend_urls(topology: Topology) -> None:

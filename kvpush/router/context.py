@@ -87,6 +87,8 @@ class FlowContext:
     client_response: web.StreamResponse | None = None
     is_client_done: bool = False
     is_ttft_recorded: bool = False
+    prefill_answered_at: float | None = None  # monotonic; for the handover metric
+    first_byte_at: float | None = None  # decode's first byte/SSE event
 
     def __post_init__(self) -> None:
         self.attempts = Attempts(max_attempts=self.config.max_attempts)

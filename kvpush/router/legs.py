@@ -43,6 +43,8 @@ async def run_prefill(
             outcome = "error"
             raise RouterError.from_backend(response.status, body, "prefill", backend)
         outcome = "ok"
+        ctx.prefill_answered_at = time.monotonic()
+        _note_handover(ctx)
         return body
     except RouterError:
         outcome = "error"
@@ -147,7 +149,16 @@ def note_output(ctx: FlowContext, chunk: bytes, is_sse: bool) -> None:
     if ctx.is_ttft_recorded or not chunk or (is_sse and b"data:" not in chunk):
         return
     ctx.is_ttft_recorded = True
-    ctx.metrics.observe_ttft(ctx.parsed.endpoint, time.monotonic() - ctx.started_at)
+    ctx.first_byte_at = time.monotonic()
+    ctx.metrics.observe_ttft(ctx.parsed.endpoint, ctx.first_byte_at - ctx.started_at)
+    _note_handover(ctx)
+
+
+def _note_handover(ctx: FlowContext) -> None:
+    """Once prefill's answer and decode's first byte are both in (whichever
+    came second calls this): the router's view of the handover."""
+    if ctx.prefill_answered_at is not None and ctx.first_byte_at is not None:
+        ctx.metrics.observe_handover(ctx.first_byte_at - ctx.prefill_answered_at)
 
 
 def is_event_stream(response: aiohttp.ClientResponse) -> bool:

@@ -47,7 +47,7 @@ from kvpush.bench.workload import WARMUP_POINT, PointWorkload, SweepPoint
 from kvpush.launcher import down, up
 from kvpush.launcher.state import RunState
 from kvpush.soak.config import SoakConfig
-from kvpush.soak.counters import read_counters
+from kvpush.soak.counters import ConnectorCounters, read_counters
 from kvpush.soak.driver import drive, settle, wait_routable
 from kvpush.soak.leaks import KvReading
 from kvpush.soak.outcome import OUTCOME_KINDS, SoakRecord, classify
@@ -164,6 +164,7 @@ class Measured:
     kv: list[KvReading]
     router_in_flight: int | None
     settle_wait_s: float
+    counters: ConnectorCounters
 
 
 def run_soak(
@@ -199,7 +200,7 @@ def run_soak(
     )  # fmt: skip
     summary = summarize(
         run, measured.records, measured.kv, measured.router_in_flight,
-        read_counters(run_dir / "traces"),
+        measured.counters,
     )  # fmt: skip
     (out_dir / SOAK_SUMMARY_FILE).write_bytes(
         msgspec.json.format(msgspec.json.encode(summary))
@@ -239,7 +240,8 @@ async def _measure(
             kv, in_flight, waited = await settle(
                 session, instances, state.router_url, config.settle_s
             )
-    return Measured(window, warmup_ms, records, kv, in_flight, waited)
+        counters = await read_counters(session, instances)
+    return Measured(window, warmup_ms, records, kv, in_flight, waited, counters)
 
 
 async def _warm_up(

@@ -1,56 +1,64 @@
-"""The connector's event counters, summed over its processes.
+"""The connector's event counters, read from each instance's ``/metrics``.
 
-Each kvpush connector process may write ``RUN_DIR/traces/counters-*.json``::
-
-    {"engine_id": "prefill0", "role": "prefill", "pid": 123,
-     "counters": {"expired.ready": 1}}
-
-(rewritten as counts change and on close, so the soak reads them once the
-cluster has stopped; read with
-:func:`kvpush.connector.counters.read_counter_files`). Other modes write
-none; a file that cannot be read is reported, not fatal.
+A kvpush instance's vLLM exports them as ``vllm:kvpush_events_total{event}``
+(:mod:`kvpush.connector.stats`); the soak reads every instance once it has
+settled, before the cluster stops (:func:`read_counters`). Other modes
+export none; an instance whose metrics cannot be read is reported, not
+fatal. Counts reach ``/metrics`` with the engine step after them, so an
+event on an idle engine's thread may still be missing.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Iterable, Mapping, Sequence
 
+import aiohttp
 import msgspec
 
-from kvpush.connector.counters import CountersFile, read_counter_files
+from kvpush.launcher.state import ProcessRecord
+from kvpush.router.connector_stats import events_of
+from kvpush.soak.driver import read_metrics
 
 
 class ConnectorCounters(msgspec.Struct, frozen=True, kw_only=True):
-    """Counter totals, overall and per engine, from ``num_files`` files."""
+    """Counter totals, overall and per engine, from ``num_instances``
+    instances' ``/metrics``."""
 
-    num_files: int = 0
+    num_instances: int = 0
     totals: dict[str, int] = msgspec.field(default_factory=dict)
     by_engine: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     unreadable: list[str] = msgspec.field(default_factory=list)
 
 
 def sum_counters(
-    files: Iterable[CountersFile], unreadable: Iterable[str] = ()
+    by_engine: Mapping[str, Mapping[str, float]], unreadable: Iterable[str] = ()
 ) -> ConnectorCounters:
     """Totals of every counter, overall and per engine (sorted by name)."""
     totals: dict[str, int] = defaultdict(int)
-    by_engine: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    num_files = 0
-    for f in files:
-        num_files += 1
-        for name, count in f.counters.items():
-            totals[name] += count
-            by_engine[f.engine_id][name] += count
+    for events in by_engine.values():
+        for name, count in events.items():
+            totals[name] += round(count)
     return ConnectorCounters(
-        num_files=num_files,
+        num_instances=len(by_engine),
         totals=dict(sorted(totals.items())),
-        by_engine={e: dict(sorted(c.items())) for e, c in sorted(by_engine.items())},
+        by_engine={
+            engine: {name: round(n) for name, n in sorted(events.items())}
+            for engine, events in sorted(by_engine.items())
+        },
         unreadable=list(unreadable),
     )
 
 
-def read_counters(trace_dir: Path) -> ConnectorCounters:
-    """Sum every counter file in ``trace_dir`` (none: empty totals)."""
-    return sum_counters(*read_counter_files(trace_dir))
+async def read_counters(
+    session: aiohttp.ClientSession, instances: Sequence[ProcessRecord]
+) -> ConnectorCounters:
+    """Sum the kvpush events of every instance's ``/metrics``."""
+    found: dict[str, dict[str, float]] = {}
+    unreadable: list[str] = []
+    for instance in instances:
+        try:
+            found[instance.name] = events_of(await read_metrics(session, instance.url))
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+            unreadable.append(f"{instance.name}: {type(e).__name__}: {e}")
+    return sum_counters(found, unreadable)

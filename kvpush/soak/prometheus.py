@@ -1,22 +1,20 @@
 """Samples of a Prometheus text exposition (what ``/metrics`` serves): pure.
 
-Only what the soak needs: each sample line's metric name, labels (escapes
-undone) and value; comments, and lines that do not parse, are skipped.
+Parsed by ``prometheus_client``'s own parser; only what the soak needs is
+kept: each sample's name, labels and value. A text that stops parsing
+yields the samples before the bad line.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_ESCAPE = re.compile(r"\\(.)")
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One line of the exposition: metric name, labels, value."""
+    """One sample of the exposition: metric name, labels, value."""
 
     name: str
     labels: dict[str, str]
@@ -24,22 +22,11 @@ class Sample:
 
 
 def parse_samples(text: str) -> list[Sample]:
-    """The samples of a Prometheus text exposition (comments skipped)."""
-    samples = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        found = {k: _unescape(v) for k, v in _LABEL.findall(labels or "")}
-        samples.append(Sample(name, found, number))
+    """The samples of a Prometheus text exposition."""
+    samples: list[Sample] = []
+    try:
+        for family in text_string_to_metric_families(text):
+            samples += [Sample(s.name, dict(s.labels), s.value) for s in family.samples]
+    except ValueError:
+        pass  # the samples so far
     return samples
-
-
-def _unescape(value: str) -> str:
-    """Undo the exposition's escapes: ``\\\\``, ``\\"`` and ``\\n``."""
-    return _ESCAPE.sub(lambda m: "\n" if m[1] == "n" else m[1], value)

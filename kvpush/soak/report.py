@@ -234,10 +234,11 @@ def _kv(summary: SoakSummary) -> str:
 
 
 def _counters(counters: ConnectorCounters) -> str:
-    if not counters.num_files:
-        return "Connector counters: none written (no `counters-*.json` in the traces)."
-    totals = ", ".join(f"`{k}` {v}" for k, v in counters.totals.items()) or "all 0"
-    return f"Connector counters, summed over {counters.num_files} processes: {totals}."
+    where = f"{counters.num_instances} instances' `/metrics`"
+    if not counters.totals:
+        return f"Connector counters: no `vllm:kvpush_events_total` on the {where}."
+    totals = ", ".join(f"`{k}` {v}" for k, v in counters.totals.items())
+    return f"Connector counters, summed over the {where}: {totals}."
 
 
 def _fmt_ms(dist: Dist | None, pct: str) -> str:

@@ -1,7 +1,9 @@
 """A fake vLLM OpenAI server, shared by every router test.
 
 :class:`FakeVllm` speaks vLLM's ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` and ``/health`` on 127.0.0.1 (a free port), records every
+``/v1/models``, ``/health`` and ``/metrics`` (with the kvpush connector's
+``vllm:kvpush_events_total`` of :attr:`FakeVllm.connector_events`, as vLLM
+writes them) on 127.0.0.1 (a free port), records every
 request it receives, and can be told to misbehave (:class:`Fault`, a failing
 ``health_status``, or :meth:`FakeVllm.close` then :meth:`FakeVllm.start` on
 the same port to refuse connections for a while). Its
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import prometheus_client
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -132,6 +135,8 @@ class FakeVllm:
     health_status: int = 200
     is_kv_producer: bool = True  # False: no kv_transfer_params, like no connector
     fault: Fault | None = None
+    connector_events: dict[str, float] = field(default_factory=dict)
+    metrics_delay_s: float = 0.0  # before /metrics answers
     received: list[Received] = field(default_factory=list)
     _runner: web.AppRunner | None = None
     url: str = ""
@@ -143,6 +148,7 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
             app, handler_cancellation=True, shutdown_timeout=0.2
         )
@@ -189,6 +195,11 @@ class FakeVllm:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.metrics_delay_s)
+        text = vllm_metrics_text(self.connector_events)
+        return web.Response(text=text, content_type="text/plain")
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         fault = self.fault or Fault()
@@ -308,6 +319,24 @@ class FakeVllm:
         rec.answered_at = time.monotonic()
         await out.write_eof()
         return out
+
+
+def vllm_metrics_text(connector_events: dict[str, float]) -> str:
+    """A vLLM ``/metrics`` with the connector's events (and a usage gauge)."""
+    registry = prometheus_client.CollectorRegistry()
+    labels = ("fake-model", "0")
+    usage = prometheus_client.Gauge(
+        "vllm:kv_cache_usage_perc", "KV-cache usage.", ["model_name", "engine"],
+        registry=registry,
+    )  # fmt: skip
+    usage.labels(*labels).set(0.0)
+    events = prometheus_client.Counter(
+        "vllm:kvpush_events", "kvpush connector events.",
+        ["model_name", "engine", "event"], registry=registry,
+    )  # fmt: skip
+    for event, count in connector_events.items():
+        events.labels(*labels, event).inc(count)
+    return prometheus_client.generate_latest(registry).decode()
 
 
 def _drop_connection(request: web.Request) -> web.Response:

@@ -1,6 +1,7 @@
 """Tools of the fault-injection suite: the fault file, the connector's
-counters and trace, client aborts, hostile side-channel input, and waiting
-for an instance to hold no KV blocks."""
+counters (from each instance's vLLM ``/metrics``) and trace, client aborts,
+hostile side-channel input, and waiting for an instance to hold no KV
+blocks."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import signal
 import socket
 import time
 import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
-from kvpush.connector.counters import read_counter_files
 from kvpush.launcher.instances import FAULT_FILE
+from kvpush.router.connector_stats import events_of
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -29,6 +31,7 @@ from kvpush.transfer.messages import (
     encode,
 )
 from tests.fakes.fake_nixl import wait_for
+from tests.fakes.metrics import metric
 from tests.integration import workload
 from tests.integration.conftest import Cluster
 
@@ -41,28 +44,64 @@ def set_faults(cluster: Cluster, **faults: Any) -> None:
     time.sleep(FAULT_RELOAD_S)
 
 
+def instance_metrics(cluster: Cluster, name: str) -> str:
+    """The text of instance ``name``'s vLLM ``/metrics``."""
+    url = cluster.instance_url(name) + "/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def instance_metric(cluster: Cluster, name: str, sample: str, **labels: str) -> float:
+    """One sample (summed over vLLM's engines) of instance ``name``; 0 if absent."""
+    return metric(instance_metrics(cluster, name), sample, **labels) or 0.0
+
+
 def counters(cluster: Cluster) -> dict[str, collections.Counter[str]]:
-    """The connector counters of every engine, summed over its processes (a
-    file being replaced right now is skipped; the next read gets it)."""
+    """The connector counters of every instance (``vllm:kvpush_events_total``
+    on its ``/metrics``; since it last started). One that does not answer
+    reads as no counts."""
     out: dict[str, collections.Counter[str]] = collections.defaultdict(
         collections.Counter
     )
-    files, _ = read_counter_files(cluster.run_dir / "traces")
-    for f in files:
-        out[f.engine_id].update(f.counters)
+    for rec in cluster.state.processes:
+        if rec.role == "router":
+            continue
+        try:
+            events = events_of(instance_metrics(cluster, rec.name))
+        except (OSError, ValueError):
+            continue
+        out[rec.name].update({k: round(v) for k, v in events.items()})
     return out
+
+
+def nudge(cluster: Cluster, name: str) -> None:
+    """Make instance ``name``'s engine step once with a plain local request
+    (no KV transfer, no counter): counts reach ``/metrics`` with the engine
+    step after them, so one made on an idle engine's thread waits for this."""
+    body = json.dumps({"prompt": "nudge", "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        cluster.instance_url(name) + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        resp.read()
 
 
 def wait_counter(
     cluster: Cluster, engine: str, name: str, at_least: int, timeout_s: float = 10.0
 ) -> int:
-    """Wait until counter ``name`` of ``engine`` reaches ``at_least``; its value."""
+    """Wait until counter ``name`` of ``engine`` reaches ``at_least`` (nudging
+    the engine between reads); its value."""
 
-    def value() -> int:
-        return counters(cluster)[engine][name]
+    def reached() -> bool:
+        if counters(cluster)[engine][name] >= at_least:
+            return True
+        nudge(cluster, engine)
+        return False
 
-    wait_for(lambda: value() >= at_least, timeout_s, step_s=0.2)
-    return value()
+    wait_for(reached, timeout_s, step_s=0.2)
+    return counters(cluster)[engine][name]
 
 
 def trace_events(cluster: Cluster) -> list[dict[str, Any]]:

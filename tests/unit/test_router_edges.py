@@ -23,6 +23,7 @@ from kvpush.router.requests import parse_request
 from kvpush.router.selection import RoundRobinSelector
 from kvpush.topology import Backend, Topology, dump_topology
 from tests.fakes import dead_url, routed
+from tests.fakes.metrics import families, metric
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPLETION = {"model": "m", "prompt": "one two", "max_tokens": 3}
@@ -228,20 +229,18 @@ def test_metrics_render_prometheus_text() -> None:
     metrics.request_finished("chat", "200", 0.2)
     metrics.error("timeout")
     text = metrics.render()
-    assert (
-        'kvpush_router_requests_total{mode="vllm-push",endpoint="chat",status="200"} 1'
-        in text
-    )
-    assert 'kvpush_router_errors_total{mode="vllm-push",cause="timeout"} 1' in text
-    assert 'kvpush_router_requests_in_flight{mode="vllm-push"} 0' in text
-    ttft = 'kvpush_router_ttft_seconds_bucket{mode="vllm-push",endpoint="chat"'
-    assert f'{ttft},le="0.05"}} 1' in text
-    assert f'{ttft},le="0.025"}} 0' in text
-    assert (
-        'kvpush_router_prefill_leg_seconds_count{mode="vllm-push",outcome="ok"} 1'
-        in text
-    )
-    assert "# TYPE kvpush_router_request_latency_seconds histogram" in text
+    push = {"mode": "vllm-push"}
+    requests = "kvpush_router_requests_total"
+    assert metric(text, requests, **push, endpoint="chat", status="200") == 1
+    assert metric(text, "kvpush_router_errors_total", **push, cause="timeout") == 1
+    assert metric(text, "kvpush_router_requests_in_flight", **push) == 0
+    ttft = "kvpush_router_ttft_seconds_bucket"
+    assert metric(text, ttft, **push, endpoint="chat", le="0.05") == 1
+    assert metric(text, ttft, **push, endpoint="chat", le="0.025") == 0
+    prefill = "kvpush_router_prefill_leg_seconds_count"
+    assert metric(text, prefill, **push, outcome="ok") == 1
+    assert families(text)["kvpush_router_request_latency_seconds"] == "histogram"
+    assert "_created" not in text
 
 
 async def test_metrics_endpoint_counts_served_and_refused_requests() -> None:
@@ -254,19 +253,19 @@ async def test_metrics_endpoint_counts_served_and_refused_requests() -> None:
         reply = await r.get("/metrics")
     text = reply.body.decode()
     assert reply.headers["Content-Type"].startswith("text/plain")
-    labels = 'mode="vllm-pull",endpoint="completions"'
-    assert f'kvpush_router_requests_total{{{labels},status="200"}} 1' in text
-    assert f'kvpush_router_requests_total{{{labels},status="400"}} 1' in text
-    assert (
-        'kvpush_router_requests_total{mode="vllm-pull",endpoint="chat",status="200"} 1'
-        in text
-    )
-    assert 'kvpush_router_errors_total{mode="vllm-pull",cause="bad_request"} 1' in text
-    assert f"kvpush_router_ttft_seconds_count{{{labels}}} 1" in text
-    assert (
-        'kvpush_router_prefill_leg_seconds_count{mode="vllm-pull",outcome="ok"} 2'
-        in text
-    )
+    pull = {"mode": "vllm-pull"}
+    completions = {**pull, "endpoint": "completions"}
+    requests = "kvpush_router_requests_total"
+    assert metric(text, requests, **completions, status="200") == 1
+    assert metric(text, requests, **completions, status="400") == 1
+    assert metric(text, requests, **pull, endpoint="chat", status="200") == 1
+    assert metric(text, "kvpush_router_errors_total", **pull, cause="bad_request") == 1
+    assert metric(text, "kvpush_router_ttft_seconds_count", **completions) == 1
+    prefill = "kvpush_router_prefill_leg_seconds_count"
+    assert metric(text, prefill, **pull, outcome="ok") == 2
+    # pull: decode starts only after prefill answered, so each handover is > 0
+    assert metric(text, "kvpush_router_handover_seconds_count", **pull) == 2
+    assert metric(text, "kvpush_router_handover_seconds_bucket", **pull, le="0.0") == 0
 
 
 async def test_health_is_ok_when_every_backend_is() -> None:

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from tests.fakes import FakeVllm, Fault, Received, Routed, dead_url, routed
+from tests.fakes.metrics import metric
 
 COMPLETION = {"model": "m", "prompt": "one two three", "max_tokens": 4}
 STREAM = {**COMPLETION, "stream": True}
@@ -26,9 +27,8 @@ async def _wait_cancelled(*fakes: FakeVllm) -> None:
         await fake.wait_until(_was_cancelled)
 
 
-async def _metric_lines(r: Routed, name: str) -> list[str]:
-    text = (await r.get("/metrics")).body.decode()
-    return [line for line in text.splitlines() if line.startswith(name)]
+async def _metrics(r: Routed) -> str:
+    return (await r.get("/metrics")).body.decode()
 
 
 # -- backend errors ------------------------------------------------------------
@@ -47,11 +47,11 @@ async def test_prefill_error_reaches_the_client_unchanged(
             await _wait_cancelled(decodes)
         else:
             assert decodes.received == []
-        errors = await _metric_lines(r, "kvpush_router_errors_total")
+        text = await _metrics(r)
     assert reply.status == status
     error = reply.json()["error"]
     assert error["message"] == "injected fault" and error["code"] == status
-    assert any('cause="prefill_http_error"' in line for line in errors)
+    assert metric(text, "kvpush_router_errors_total", cause="prefill_http_error")
 
 
 async def test_non_json_backend_error_is_wrapped_in_openai_shape() -> None:
@@ -150,8 +150,8 @@ async def test_client_leaving_during_pull_prefill_aborts_it(is_stream: bool) -> 
         await _wait_cancelled(r.cluster.prefills[0])
         assert r.cluster.decodes[0].received == []
         await _wait_for_idle(r)
-        requests = await _metric_lines(r, "kvpush_router_requests_total")
-    assert any('status="499"' in line for line in requests)
+        text = await _metrics(r)
+    assert metric(text, "kvpush_router_requests_total", status="499")
 
 
 @pytest.mark.parametrize("is_stream", [False, True])
@@ -184,7 +184,7 @@ async def _wait_for_idle(r: Routed) -> None:
     """Until the router reports no request in flight (its handler finished)."""
     async with asyncio.timeout(3.0):
         while True:
-            gauge = await _metric_lines(r, "kvpush_router_requests_in_flight{")
-            if gauge and gauge[0].endswith(" 0"):
+            gauge = metric(await _metrics(r), "kvpush_router_requests_in_flight")
+            if gauge == 0:
                 return
             await asyncio.sleep(0.01)

@@ -6,10 +6,10 @@ and the options that wire them (config, CLI, launcher).
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -17,7 +17,7 @@ from kvpush.cli import _parser
 from kvpush.launcher.cluster import router_command
 from kvpush.launcher.config import ClusterConfig
 from kvpush.router import RouterConfig
-from kvpush.router.connector_stats import read_counters, render
+from kvpush.router.connector_stats import events_of, scrape
 from kvpush.router.errors import RouterError
 from kvpush.router.health import HealthBoard
 from kvpush.router.metrics import RouterMetrics
@@ -25,6 +25,8 @@ from kvpush.router.requests import parse_request
 from kvpush.router.selection import RoundRobinSelector, choose, has_every_role
 from kvpush.topology import Backend, Topology
 from tests.fakes import Routed, routed
+from tests.fakes.fake_vllm import vllm_metrics_text
+from tests.fakes.metrics import families, metric
 
 P0 = Backend(role="prefill", url="http://127.0.0.1:1", engine_id="p0")
 P1 = Backend(role="prefill", url="http://127.0.0.1:2", engine_id="p1")
@@ -116,15 +118,24 @@ async def _metrics(r: Routed) -> str:
     return (await r.get("/metrics")).body.decode()
 
 
-async def _until_metric(r: Routed, line: str, timeout_s: float = 3.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while line not in await _metrics(r):
+async def _until_healthy(
+    r: Routed, engine_id: str, role: str, value: int, mode: str = "kvpush"
+) -> None:
+    async with asyncio.timeout(3.0):
+        while _healthy(await _metrics(r), engine_id, role, mode) != value:
             await asyncio.sleep(0.01)
 
 
-def _healthy(engine_id: str, role: str, value: int, mode: str = "kvpush") -> str:
-    labels = f'mode="{mode}",instance="{engine_id}",role="{role}"'
-    return f"kvpush_router_instance_healthy{{{labels}}} {value}"
+def _healthy(
+    text: str, engine_id: str, role: str, mode: str = "kvpush"
+) -> float | None:
+    gauge = "kvpush_router_instance_healthy"
+    return metric(text, gauge, mode=mode, instance=engine_id, role=role)
+
+
+def _transitions(text: str, engine_id: str, to: str) -> float | None:
+    counter = "kvpush_router_health_transitions_total"
+    return metric(text, counter, instance=engine_id, to=to)
 
 
 async def _send(r: Routed, count: int) -> list[int]:
@@ -135,23 +146,19 @@ async def test_instance_failing_probes_gets_no_requests_until_it_recovers() -> N
     async with routed("kvpush", num_decodes=2, **FAST) as r:
         sick = r.cluster.decodes[0]
         sick.health_status = 500
-        await _until_metric(r, _healthy("decode0", "decode", 0))
+        await _until_healthy(r, "decode0", "decode", 0)
         assert await _send(r, 4) == [200] * 4
         assert sick.received == []
         assert len(r.cluster.decodes[1].received) == 4
-        text = await _metrics(r)
-        assert (
-            'kvpush_router_health_transitions_total{mode="kvpush",'
-            'instance="decode0",role="decode",to="down"} 1'
-        ) in text
+        assert _transitions(await _metrics(r), "decode0", "down") == 1
 
         sick.health_status = 200
-        await _until_metric(r, _healthy("decode0", "decode", 1))
+        await _until_healthy(r, "decode0", "decode", 1)
         assert await _send(r, 2) == [200, 200]
         assert len(sick.received) == 1  # round robin over both again
         text = await _metrics(r)
-    assert 'instance="decode0",role="decode",to="up"} 1' in text
-    assert _healthy("prefill0", "prefill", 1) in text
+    assert _transitions(text, "decode0", "up") == 1
+    assert _healthy(text, "prefill0", "prefill") == 1
 
 
 async def test_refused_connection_marks_down_before_any_probe_fails() -> None:
@@ -162,19 +169,19 @@ async def test_refused_connection_marks_down_before_any_probe_fails() -> None:
         assert await _send(r, 3) == [200] * 3  # the first one by a retry
         text = await _metrics(r)
         assert len(r.cluster.colocated[1].received) == 3
-    assert _healthy("colocated0", "colocated", 0, mode="colocated") in text
-    assert 'kvpush_router_retries_total{mode="colocated"} 1' in text
+    assert _healthy(text, "colocated0", "colocated", mode="colocated") == 0
+    assert metric(text, "kvpush_router_retries_total", mode="colocated") == 1
 
 
 async def test_restarted_instance_comes_back_after_a_healthy_probe() -> None:
     async with routed("vllm-pull", num_prefills=2, **FAST) as r:
         prefill = r.cluster.prefills[0]
         await prefill.close()
-        await _until_metric(r, _healthy("prefill0", "prefill", 0, "vllm-pull"))
+        await _until_healthy(r, "prefill0", "prefill", 0, "vllm-pull")
         await _send(r, 2)
         assert prefill.received == []
         await prefill.restart()
-        await _until_metric(r, _healthy("prefill0", "prefill", 1, "vllm-pull"))
+        await _until_healthy(r, "prefill0", "prefill", 1, "vllm-pull")
         assert await _send(r, 2) == [200, 200]
         assert len(prefill.received) == 1
 
@@ -184,7 +191,7 @@ async def test_no_healthy_decode_is_a_fast_503_that_reaches_no_backend() -> None
         for fake in r.cluster.decodes:
             fake.health_status = 503
         for fake in r.cluster.decodes:
-            await _until_metric(r, _healthy(fake.engine_id, "decode", 0))
+            await _until_healthy(r, fake.engine_id, "decode", 0)
         reply = await r.post("/v1/completions", COMPLETION)
         received = [rec for fake in r.cluster.fakes for rec in fake.received]
         text = await _metrics(r)
@@ -193,9 +200,9 @@ async def test_no_healthy_decode_is_a_fast_503_that_reaches_no_backend() -> None
     assert "no healthy decode instance" in error["message"]
     assert error["code"] == "no_healthy_instance"
     assert received == []
-    failures = 'kvpush_router_failures_total{mode="kvpush",cause="no_healthy_instance"}'
-    assert f"{failures} 1" in text
-    assert 'kvpush_router_retries_total{mode="kvpush"}' not in text
+    failures = "kvpush_router_failures_total"
+    assert metric(text, failures, mode="kvpush", cause="no_healthy_instance") == 1
+    assert metric(text, "kvpush_router_retries_total") is None
 
 
 async def test_health_endpoint_says_which_instances_are_routed() -> None:
@@ -215,59 +222,53 @@ async def test_health_checks_stop_with_the_router() -> None:
     assert not any(t.get_name().startswith("health-") for t in asyncio.all_tasks())
 
 
-# -- connector counters ----------------------------------------------------------
+# -- connector events scraped from the instances -------------------------------
 
 
-def _write(directory: Path, name: str, content: Any) -> None:
-    text = content if isinstance(content, str) else json.dumps(content)
-    (directory / name).write_text(text)
-
-
-def _counters(engine_id: str, role: str, pid: int, **counts: int) -> dict[str, Any]:
-    counters = {k.replace("__", "."): v for k, v in counts.items()}
-    return {"engine_id": engine_id, "role": role, "pid": pid, "counters": counters}
-
-
-def test_counter_files_are_summed_per_engine_role_and_event(tmp_path: Path) -> None:
-    _write(tmp_path, "counters-1.json", _counters("prefill0", "prefill", 1, expired=3))
-    _write(
-        tmp_path,
-        "counters-2.json",
-        _counters("prefill0", "prefill", 2, expired=4, failed__write_failed=1),
+def test_connector_events_are_read_from_vllm_metrics_summed_over_engines() -> None:
+    text = vllm_metrics_text({"expired.ready": 2, "fallback": 1})
+    text += (
+        'vllm:kvpush_events_total{engine="1",event="expired.ready",'
+        'model_name="fake-model"} 3.0\n'
     )
-    _write(tmp_path, "counters-3.json", _counters("decode0", "decode", 3, fallback=2))
-    _write(tmp_path, "counters-4.json", '{"engine_id": "decode0", "ro')  # partial
-    _write(tmp_path, "counters-5.json", _counters("decode0", "bogus", 5, expired=9))
-    _write(tmp_path, "counters-6.json", _counters("decode0", "decode", 6, **{"X": 1}))
-    _write(tmp_path, "counters-7.json", _counters("decode0", "decode", 7, expired=-1))
-    _write(tmp_path, "other.json", _counters("decode0", "decode", 8, expired=50))
-    (tmp_path / "counters-dir.json").mkdir()
-    assert read_counters(tmp_path) == {
-        ("prefill0", "prefill", "expired"): 7,
-        ("prefill0", "prefill", "failed.write_failed"): 1,
-        ("decode0", "decode", "fallback"): 2,
-    }
+    assert events_of(text) == {"expired.ready": 5.0, "fallback": 1.0}
+    assert events_of(vllm_metrics_text({})) == {}
+    with pytest.raises(ValueError):
+        events_of("not metrics at all\n")
 
 
-def test_missing_counters_dir_reads_as_no_counters(tmp_path: Path) -> None:
-    assert read_counters(tmp_path / "not-yet") == {}
-    assert render({}) == ""
+async def test_metrics_endpoint_serves_each_instances_connector_events() -> None:
+    async with routed("kvpush") as r:
+        r.cluster.prefills[0].connector_events = {"expired.ready": 2}
+        r.cluster.decodes[0].connector_events = {"fallback": 3, "peer_lost": 1}
+        text = await _metrics(r)
+    events = "kvpush_connector_events_total"
+    assert families(text)["kvpush_connector_events"] == "counter"
+    assert metric(text, events, engine_id="prefill0", role="prefill",
+                  event="expired.ready") == 2  # fmt: skip
+    assert metric(text, events, engine_id="decode0", role="decode",
+                  event="fallback") == 3  # fmt: skip
+    assert metric(text, events, role="decode") == 4
+    assert metric(text, "kvpush_router_requests_in_flight") == 0  # its own, too
 
 
-async def test_metrics_endpoint_appends_connector_counters(tmp_path: Path) -> None:
-    _write(tmp_path, "counters-1.json", _counters("decode0", "decode", 1, expired=2))
-    _write(tmp_path, "counters-2.json", _counters("decode0", "decode", 2, expired=3))
-    _write(tmp_path, "counters-3.json", "not json")
-    async with routed("kvpush", connector_stats_dir=tmp_path) as r:
-        reply = await r.get("/metrics")
-    text = reply.body.decode()
-    assert reply.status == 200
-    assert "# TYPE kvpush_connector_events_total counter" in text
-    assert (
-        'kvpush_connector_events_total{engine_id="decode0",role="decode",'
-        'event="expired"} 5'
-    ) in text
-    assert "kvpush_router_requests_in_flight" in text  # the router's own, too
+async def test_an_instance_that_does_not_answer_in_time_is_left_out() -> None:
+    async with routed("kvpush", num_decodes=2) as r:
+        r.cluster.prefills[0].connector_events = {"expired.ready": 1}
+        slow, dead = r.cluster.decodes
+        slow.connector_events, slow.metrics_delay_s = {"fallback": 1}, 1.0
+        await dead.close()
+        async with aiohttp.ClientSession() as session:
+            backends = r.cluster.topology().backends
+            totals = await scrape(session, backends, timeout_s=0.2)
+    assert totals == {("prefill0", "prefill", "expired.ready"): 1.0}
+
+
+async def test_other_modes_do_not_scrape_the_instances() -> None:
+    async with routed("vllm-push") as r:
+        r.cluster.decodes[0].connector_events = {"fallback": 3}
+        text = await _metrics(r)
+    assert "kvpush_connector_events" not in text
 
 
 def test_metrics_render_the_fault_tolerance_families() -> None:
@@ -277,14 +278,13 @@ def test_metrics_render_the_fault_tolerance_families() -> None:
     metrics.failed("unreachable")
     metrics.retried()
     text = metrics.render()
-    assert _healthy("p0", "prefill", 1) in text and _healthy("d0", "decode", 0) in text
-    assert "# TYPE kvpush_router_instance_healthy gauge" in text
-    assert 'kvpush_router_failures_total{mode="kvpush",cause="unreachable"} 1' in text
-    assert 'kvpush_router_retries_total{mode="kvpush"} 1' in text
-    assert (
-        'kvpush_router_health_transitions_total{mode="kvpush",instance="d0",'
-        'role="decode",to="down"} 1'
-    ) in text
+    assert _healthy(text, "p0", "prefill") == 1 and _healthy(text, "d0", "decode") == 0
+    assert families(text)["kvpush_router_instance_healthy"] == "gauge"
+    failures = "kvpush_router_failures_total"
+    assert metric(text, failures, mode="kvpush", cause="unreachable") == 1
+    assert metric(text, "kvpush_router_retries_total", mode="kvpush") == 1
+    assert _transitions(text, "d0", "down") == 1
+    assert metric(text, "kvpush_router_health_transitions_total", role="decode") == 1
 
 
 # -- options ---------------------------------------------------------------------
@@ -297,8 +297,6 @@ def test_metrics_render_the_fault_tolerance_families() -> None:
         ({"unhealthy_after": 0}, "unhealthy_after"),
         ({"unhealthy_after": 1.5}, "unhealthy_after"),
         ({"max_attempts": 0}, "max_attempts"),
-        ({"connector_stats_dir": "traces"}, "pathlib.Path"),
-        ({"connector_stats_dir": Path(__file__)}, "not a directory"),
         ({"topology": Topology(mode="kvpush", backends=(P0, P0, D0))}, "unique"),
     ],
 )
@@ -312,7 +310,7 @@ def test_fault_tolerance_config_errors_say_what_to_change(
 def test_config_defaults() -> None:
     config = RouterConfig(topology=PD)
     assert (config.health_interval_s, config.unhealthy_after) == (1.0, 2)
-    assert config.max_attempts == 2 and config.connector_stats_dir is None
+    assert config.max_attempts == 2
 
 
 def test_router_cli_flags_reach_the_config(
@@ -325,7 +323,7 @@ def test_router_cli_flags_reach_the_config(
     base = ["router", "--topology", str(topology_path)]
     flags = [
         "--health-interval-s", "0.5", "--unhealthy-after", "3",
-        "--max-attempts", "4", "--connector-stats-dir", str(tmp_path),
+        "--max-attempts", "4",
     ]  # fmt: skip
     for argv in (base, base + flags):
         args = _parser().parse_args(argv)
@@ -333,16 +331,11 @@ def test_router_cli_flags_reach_the_config(
     default, given = seen
     assert default == RouterConfig(topology=PD)
     assert (given.health_interval_s, given.unhealthy_after) == (0.5, 3)
-    assert (given.max_attempts, given.connector_stats_dir) == (4, tmp_path)
+    assert given.max_attempts == 4
 
 
 @pytest.mark.parametrize("mode", ["kvpush", "vllm-push"])
-def test_launcher_gives_the_router_the_trace_dir_in_kvpush_mode(
-    mode: str, tmp_path: Path
-) -> None:
+def test_launcher_gives_the_router_the_topology_only(mode: str, tmp_path: Path) -> None:
     cmd = router_command(ClusterConfig(mode=mode), tmp_path)
     assert cmd[cmd.index("--topology") + 1] == str(tmp_path / "topology.json")
-    if mode == "kvpush":
-        assert cmd[cmd.index("--connector-stats-dir") + 1] == str(tmp_path / "traces")
-    else:
-        assert "--connector-stats-dir" not in cmd
+    assert not any(word.startswith("--connector") for word in cmd)

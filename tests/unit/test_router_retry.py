@@ -21,6 +21,7 @@ from kvpush.router.errors import (
 from kvpush.router.retry import Attempts
 from kvpush.topology import Backend
 from tests.fakes import FakeVllm, Fault, Received, Routed, dead_url, routed
+from tests.fakes.metrics import metric
 
 P0 = Backend(role="prefill", url="http://127.0.0.1:1", engine_id="p0")
 D0 = Backend(role="decode", url="http://127.0.0.1:3", engine_id="d0")
@@ -83,13 +84,10 @@ def test_blame_falls_on_the_failed_leg_else_the_whole_attempt() -> None:
 # -- against fakes ---------------------------------------------------------------
 
 
-async def _metric(r: Routed, name: str) -> int:
-    """The sample of ``name`` (full name with labels), 0 when absent."""
+async def _metric(r: Routed, name: str, **labels: str) -> int:
+    """The sample ``name`` with ``labels``, 0 when absent."""
     text = (await r.get("/metrics")).body.decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return int(line.rsplit(" ", 1)[1])
-    return 0
+    return round(metric(text, name, **labels) or 0)
 
 
 def _transfer_id(rec: Received) -> str:
@@ -102,9 +100,9 @@ async def test_kvpush_retries_on_a_fresh_pair_with_a_fresh_transfer_id() -> None
         p0.fault = Fault(status=503)
         reply = await r.post(PATH, COMPLETION, {"X-Request-Id": "client-7"})
         await d0.wait_until(lambda recs: bool(recs) and recs[0].is_cancelled)
-        retries = await _metric(r, 'kvpush_router_retries_total{mode="kvpush"}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
         failures = await _metric(
-            r, 'kvpush_router_failures_total{mode="kvpush",cause="upstream_error"}'
+            r, "kvpush_router_failures_total", mode="kvpush", cause="upstream_error"
         )
     assert reply.status == 200 and reply.headers["X-Request-Id"] == "client-7"
     assert (retries, failures) == (1, 1)
@@ -134,18 +132,16 @@ async def test_dead_first_pair_is_retried_on_the_second(
     dead = {engine_id: dead_url() for engine_id in dead_ids}
     async with routed(mode, num_prefills=2, num_decodes=2, url_overrides=dead) as r:
         reply = await r.post(PATH, STREAM)
-        retries = await _metric(r, f'kvpush_router_retries_total{{mode="{mode}"}}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode=mode)
         unreachable_count = await _metric(
-            r, f'kvpush_router_failures_total{{mode="{mode}",cause="unreachable"}}'
+            r, "kvpush_router_failures_total", mode=mode, cause="unreachable"
         )
         (prefill,), (decode,) = (
             r.cluster.prefills[1].received,
             r.cluster.decodes[1].received,
         )
         second = await r.post(PATH, COMPLETION)  # no retry: dead ones are down
-        retries_after = await _metric(
-            r, f'kvpush_router_retries_total{{mode="{mode}"}}'
-        )
+        retries_after = await _metric(r, "kvpush_router_retries_total", mode=mode)
     assert reply.status == 200 and reply.events()[-1] == b"[DONE]"
     assert (retries, unreachable_count) == (1, 1)
     assert decode.request_id == prefill.request_id
@@ -159,7 +155,7 @@ async def test_colocated_retries_on_another_instance() -> None:
     async with routed("colocated", num_decodes=2) as r:
         r.cluster.colocated[0].fault = Fault(is_reset=True)  # drops, no answer
         reply = await r.post(PATH, COMPLETION)
-        retries = await _metric(r, 'kvpush_router_retries_total{mode="colocated"}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode="colocated")
     assert reply.status == 200 and retries == 1
     assert len(r.cluster.colocated[1].received) == 1
 
@@ -168,7 +164,7 @@ async def test_no_retry_after_the_first_byte_reached_the_client() -> None:
     async with routed("kvpush", num_decodes=2) as r:
         r.cluster.decodes[0].fault = Fault(reset_after_chunks=2)
         reply = await r.post(PATH, STREAM)
-        retries = await _metric(r, 'kvpush_router_retries_total{mode="kvpush"}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
         assert r.cluster.decodes[1].received == []
     assert reply.status == 200
     *tokens, last = reply.events()
@@ -182,7 +178,7 @@ async def test_client_errors_are_not_retried(status: int) -> None:
     async with routed("vllm-pull", num_prefills=2, num_decodes=2) as r:
         r.cluster.decodes[0].fault = Fault(status=status)
         reply = await r.post(PATH, COMPLETION)
-        retries = await _metric(r, 'kvpush_router_retries_total{mode="vllm-pull"}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode="vllm-pull")
         others = r.cluster.prefills[1].received + r.cluster.decodes[1].received
     assert reply.status == status and retries == 0 and others == []
 
@@ -193,7 +189,7 @@ async def test_retries_stop_at_max_attempts_with_the_last_error() -> None:
             fake.fault = Fault(status=500, body=b"boom " + fake.engine_id.encode())
         reply = await r.post(PATH, COMPLETION)
         tried = [fake for fake in r.cluster.colocated if fake.received]
-        retries = await _metric(r, 'kvpush_router_retries_total{mode="colocated"}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode="colocated")
     assert [len(fake.received) for fake in tried] == [1, 1] and retries == 1
     last = max(tried, key=lambda fake: fake.received[0].arrived_at)
     assert reply.status == 500
@@ -230,9 +226,9 @@ async def test_a_client_that_leaves_is_not_retried() -> None:
         await p0.wait_until(lambda recs: recs[0].is_cancelled)
         await d0.wait_until(lambda recs: recs[0].is_cancelled)
         gone = await _metric(
-            r, 'kvpush_router_failures_total{mode="kvpush",cause="client_gone"}'
+            r, "kvpush_router_failures_total", mode="kvpush", cause="client_gone"
         )
-        retries = await _metric(r, 'kvpush_router_retries_total{mode="kvpush"}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
         others = r.cluster.prefills[1].received + r.cluster.decodes[1].received
     assert (gone, retries, others) == (1, 0, [])
 
@@ -250,7 +246,7 @@ async def test_kvpush_decode_falls_back_when_the_prefill_is_gone() -> None:
         (decode,) = r.cluster.decodes
         decode.kv_fallback, decode.kv_wait_s = True, 0.2
         reply = await r.post(PATH, COMPLETION)
-        retries = await _metric(r, 'kvpush_router_retries_total{mode="kvpush"}')
+        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
     assert reply.status == 200, reply.body
     assert retries == 0
     assert len(decode.received) == 1
@@ -297,7 +293,7 @@ async def test_a_client_hanging_up_at_the_end_is_counted_and_its_legs_closed(
         writer.close()  # hang up at once, as an HTTP client may
         for _ in range(50):
             in_flight = await _metric(
-                r, 'kvpush_router_requests_in_flight{mode="kvpush"}'
+                r, "kvpush_router_requests_in_flight", mode="kvpush"
             )
             if in_flight == 0 and closed:
                 break

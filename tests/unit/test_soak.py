@@ -17,10 +17,11 @@ from kvpush.bench import client
 from kvpush.bench.outputs import publish as publish_bench
 from kvpush.bench.sections import carry_sections, find_section, put_section
 from kvpush.bench.workload import RequestSpec
+from kvpush.launcher.state import ProcessRecord
 from kvpush.soak.cli import build_parser, command_line, config_from_args
 from kvpush.soak.cli import publish as publish_soak
 from kvpush.soak.config import SoakConfig
-from kvpush.soak.counters import ConnectorCounters, read_counters
+from kvpush.soak.counters import ConnectorCounters, read_counters, sum_counters
 from kvpush.soak.driver import send_or_abort
 from kvpush.soak.leaks import (
     KvReading,
@@ -34,7 +35,7 @@ from kvpush.soak.outcome import SoakRecord, classify
 from kvpush.soak.plan import request_spec, schedule
 from kvpush.soak.prometheus import parse_samples
 from kvpush.soak.report import SoakRun, SoakSummary, render_section, summarize
-from tests.fakes import Fault, routed
+from tests.fakes import FakeVllm, Fault, dead_url, routed
 from tests.unit.test_bench_report import summary as bench_summary
 
 # -- options ---------------------------------------------------------------
@@ -293,22 +294,34 @@ def test_the_router_gauges() -> None:
 # -- connector counters -----------------------------------------------------
 
 
-def test_counter_files_are_summed_overall_and_per_engine(tmp_path: Path) -> None:
-    def write(name: str, engine: str, counters: dict[str, int]) -> None:
-        body = {"engine_id": engine, "role": "decode", "pid": 1, "counters": counters}
-        (tmp_path / name).write_text(json.dumps(body))
+async def test_counters_are_read_from_each_instances_metrics() -> None:
+    async with routed("kvpush") as r:
+        prefill, decode = r.cluster.prefills[0], r.cluster.decodes[0]
+        prefill.connector_events = {"cancelled.by_decode": 5}
+        decode.connector_events = {"aborted.released": 2, "fallback": 1}
+        gone = ProcessRecord(name="decode1", role="decode", pid=0,
+                             url=dead_url(), log_path="")  # fmt: skip
+        instances = [_record(prefill), _record(decode), gone]
+        async with client.make_session() as session:
+            counters = await read_counters(session, instances)
+    assert counters.num_instances == 2
+    assert counters.totals == {
+        "aborted.released": 2, "cancelled.by_decode": 5, "fallback": 1,
+    }  # fmt: skip
+    assert counters.by_engine["decode0"] == {"aborted.released": 2, "fallback": 1}
+    assert len(counters.unreadable) == 1 and "decode1" in counters.unreadable[0]
 
-    write("counters-decode0-1.json", "decode0", {"aborted.released": 2, "a": 1})
-    write("counters-decode0-2.json", "decode0", {"aborted.released": 3})
-    write("counters-prefill0-3.json", "prefill0", {"cancelled.by_decode": 5})
-    (tmp_path / "counters-bad-4.json").write_text("{")
-    (tmp_path / "decode0-1.jsonl").write_text("not a counter file")
-    counters = read_counters(tmp_path)
-    assert counters.num_files == 3
-    assert counters.totals == {"a": 1, "aborted.released": 5, "cancelled.by_decode": 5}
-    assert counters.by_engine["decode0"] == {"a": 1, "aborted.released": 5}
-    assert len(counters.unreadable) == 1
-    assert read_counters(tmp_path / "missing").num_files == 0
+
+def _record(fake: FakeVllm) -> ProcessRecord:
+    return ProcessRecord(name=fake.engine_id, role=fake.role, pid=0, url=fake.url,
+                         log_path="")  # fmt: skip
+
+
+def test_counters_of_engines_are_summed_and_sorted() -> None:
+    counters = sum_counters({"b": {"x": 1.0, "a": 2.0}, "a": {"x": 3.0}})
+    assert counters.totals == {"a": 2, "x": 4}
+    assert list(counters.by_engine) == ["a", "b"]
+    assert sum_counters({}).num_instances == 0
 
 
 # -- summary and report ---------------------------------------------------
@@ -330,7 +343,7 @@ CLEAN = [read_kv("prefill0", "prefill", vllm_metrics(0.0))]
 def soak_summary(
     records: list[SoakRecord], kv: list[KvReading] = CLEAN, in_flight: int = 0
 ) -> SoakSummary:
-    counters = ConnectorCounters(num_files=2, totals={"aborted.released": 4})
+    counters = ConnectorCounters(num_instances=2, totals={"aborted.released": 4})
     return summarize(run_info(), records, kv, in_flight, counters)
 
 
