@@ -9,6 +9,7 @@ what:
 event                  process   moment
 =====================  ========  ============================================
 ``reg_sent``           decode    Registration handed to the side channel
+``recv_expected``      decode    its worker took the receive (the expect)
 ``reg_received``       prefill   Registration decoded by the listener
 ``kv_ready``           prefill   prompt's last KV computed (the trigger)
 ``write_posted``       prefill   last WRITE of the transfer posted
@@ -31,6 +32,7 @@ from typing import Any
 
 EVENTS: tuple[str, ...] = (
     "reg_sent",
+    "recv_expected",
     "reg_received",
     "kv_ready",
     "write_posted",
@@ -53,10 +55,11 @@ DURATIONS: dict[str, tuple[str, str]] = {
 
 @dataclass(slots=True)
 class Timeline:
-    """The seven event times of one transfer; ``None`` until marked."""
+    """The event times of one transfer; ``None`` until marked."""
 
     transfer_id: str
     reg_sent: float | None = None
+    recv_expected: float | None = None
     reg_received: float | None = None
     kv_ready: float | None = None
     write_posted: float | None = None

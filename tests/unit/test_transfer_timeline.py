@@ -22,9 +22,10 @@ def _full() -> Timeline:
     return t
 
 
-def test_the_seven_events_in_order() -> None:
+def test_the_eight_events_in_order() -> None:
     assert EVENTS == (
         "reg_sent",
+        "recv_expected",
         "reg_received",
         "kv_ready",
         "write_posted",

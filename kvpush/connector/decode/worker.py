@@ -100,6 +100,9 @@ class DecodeWorker:
         for expect in meta.expects:
             address = (expect.prefill_host, expect.prefill_port)
             self._receiver.expect(expect, now, self._prefill_boots.get(address))
+            self.tracer.mark(
+                expect.transfer_id, "recv_expected", peer=expect.prefill_engine_id
+            )
             self._greet(address)
         for failure in meta.failures:
             self._receiver.failed(failure.transfer_id, failure.cause, now)
