@@ -95,7 +95,7 @@ def assert_clear_error(reply: client.Reply) -> None:
 
 def assert_pushed(cluster: Cluster, reference: workload.Outputs, i: int) -> None:
     """Request ``i`` is answered correctly through a push, not a fallback."""
-    time.sleep(1.0)  # let earlier counts reach their files
+    time.sleep(1.0)  # let earlier counts reach /metrics
     before = faults.counters(cluster)["decode0"]["fallback"]
     assert_correct(reference, i, send(cluster, i))
     time.sleep(1.0)
@@ -113,9 +113,37 @@ def finished(reply: client.Reply) -> bool:
 
 def delta(before: dict[str, Any], cluster: Cluster, engine: str, name: str) -> int:
     """How much counter ``name`` of ``engine`` grew since ``before``, waiting
-    (up to 10 s) for it to grow at all: counters reach their file lazily."""
+    (up to 10 s) for it to grow at all: counts reach /metrics with the
+    engine step after them."""
     target = before[engine][name] + 1
     return faults.wait_counter(cluster, engine, name, target) - before[engine][name]
+
+
+# -- metrics on vLLM's own /metrics ------------------------------------------------
+
+
+def test_a_push_is_timed_on_both_instances_vllm_metrics(cluster, reference):
+    """Each instance's vLLM ``/metrics`` carries the connector's
+    ``vllm:kvpush_*`` families: one push is timed on both sides, each side
+    with its own clock, per phase and per peer."""
+    assert_pushed(cluster, reference, 27)
+
+    def seen(name: str, sample: str, **labels: str) -> float:
+        return faults.instance_metric(cluster, name, sample, **labels)
+
+    phase = "vllm:kvpush_phase_seconds_count"
+    pair = "vllm:kvpush_peer_handover_seconds"
+    for p in ("registration", "write_setup", "transfer", "push"):
+        assert seen("prefill0", phase, phase=p) >= 1, p
+    assert seen("prefill0", f"{pair}_count", peer="decode0") >= 1
+    assert seen("prefill0", "vllm:kvpush_write_bytes_sum") > 0
+    assert seen("prefill0", "vllm:kvpush_write_descriptors_count") >= 1
+    for p in ("handover", "decode_wait"):
+        assert seen("decode0", phase, phase=p) >= 1, p
+    assert seen("decode0", f"{pair}_count", peer="prefill0") >= 1
+    assert seen("decode0", f"{pair}_sum", peer="prefill0") > 0
+    bytes_in_flight = "vllm:kvpush_peer_bytes_in_flight"
+    assert seen("prefill0", bytes_in_flight, peer="decode0") == 0  # all landed
 
 
 # -- faults on a running cluster ---------------------------------------------------
@@ -206,8 +234,14 @@ def test_malformed_side_channel_burst_during_load(cluster, reference):
             now[f"rejected.{k}"] - before["prefill0"][f"rejected.{k}"] for k in kinds
         )
 
+    def all_rejected() -> bool:
+        if rejected() >= expected:
+            return True
+        faults.nudge(cluster, "prefill0")  # counted on an idle engine's thread
+        return False
+
     expected = 20 * faults.NUM_MALFORMED  # every one counted, none let through
-    assert wait_for(lambda: rejected() >= expected, 10.0), rejected()
+    assert wait_for(all_rejected, 10.0), rejected()
     assert delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
     faults.assert_no_blocks_held(cluster)
 
