@@ -54,7 +54,7 @@ def test_cancel_during_a_write_nixl_cannot_cancel_waits_for_its_done():
     rig = Rig()
     try:
         rig.io.cancellable = False
-        rig.io.script_polls(*["PROC"] * 200, "DONE")
+        rig.io.script_polls(*["PROC"] * 100, "DONE")
         rig.hello()
         rig.register()
         rig.ready()
@@ -267,7 +267,7 @@ def test_a_write_nixl_cannot_cancel_keeps_its_blocks():
     rig.writer._pipeline._writes._timeout_s = 0.1
     try:
         rig.io.cancellable = False
-        rig.io.script_polls(*["PROC"] * 3000, "DONE")  # ends after a second or so
+        rig.io.script_polls(*["PROC"] * 300, "DONE")  # ends after 2-3 s (polls back off)
         rig.hello()
         rig.register()
         rig.ready()

@@ -62,7 +62,7 @@ from kvpush.transfer.work import split_whole
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # longest sleep of the writer thread
-POLL_S = 0.0005  # poll period while a WRITE is in flight or a fence pending
+POLL_S = 0.0005  # poll period while a device fence is pending
 
 
 @dataclass(frozen=True)
