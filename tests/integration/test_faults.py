@@ -18,6 +18,8 @@ prefix-cache hit on decode skips the transfer under test.
 from __future__ import annotations
 
 import http.client
+import os
+import signal
 import threading
 import time
 import uuid
@@ -243,6 +245,100 @@ def test_malformed_side_channel_burst_during_load(cluster, reference):
     expected = 20 * faults.NUM_MALFORMED  # every one counted, none let through
     assert wait_for(all_rejected, 10.0), rejected()
     assert delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
+    faults.assert_no_blocks_held(cluster)
+
+
+# -- crafted legs and paused peers (issue 9 items 4 and 8) --------------------------
+
+
+def shape(name: str) -> tuple[str, dict[str, Any]]:
+    return workload.SHAPES[name]
+
+
+def send_shape(cluster: Cluster, name: str, client_id: str = "") -> client.Reply:
+    headers = {"X-Request-Id": client_id or uuid.uuid4().hex}
+    return client.request(cluster.url, *shape(name), DEADLINE_S, headers)
+
+
+def assert_shape_pushed(cluster: Cluster, reference: workload.Outputs, name: str):
+    """Workload request ``name`` is answered correctly through a push."""
+    time.sleep(1.0)
+    before = faults.counters(cluster)["decode0"]["fallback"]
+    reply = send_shape(cluster, name)
+    assert workload.mismatch(reference[name], reply) is None, name
+    time.sleep(1.0)
+    assert faults.counters(cluster)["decode0"]["fallback"] == before, "fell back"
+
+
+def test_crafted_legs_reusing_a_live_transfer_id_hold_nothing(cluster, reference):
+    """Anyone who reaches the instances' HTTP ports can reuse a transfer id.
+    The second leg on each side is served locally; the first transfer is
+    unharmed; nothing is held afterwards (before the fix, the second KV
+    overwrote the first's bookkeeping and the first was held forever)."""
+    before = faults.counters(cluster)
+    prefill_leg, decode_leg = workload.kvpush_legs(cluster, uuid.uuid4().hex)
+    first, twin = "completion-shared-prefix", "chat"
+    p1, d1 = workload.leg_bodies(shape(first)[1], prefill_leg, decode_leg)
+    p2, d2 = workload.leg_bodies(shape(twin)[1], prefill_leg, decode_leg)
+    prefill_url, decode_url = (
+        cluster.instance_url("prefill0"),
+        cluster.instance_url("decode0"),
+    )
+
+    def at(url: str, name: str, body: dict[str, Any]) -> client.Reply:
+        return client.request(url, shape(name)[0], body, DEADLINE_S)
+
+    with ThreadPoolExecutor(4) as pool:
+        decode1 = pool.submit(at, decode_url, first, d1)
+        time.sleep(1.0)  # registered: the transfer id is live on both sides
+        prefill1 = pool.submit(at, prefill_url, first, p1)
+        time.sleep(0.05)  # while the first prompt is being computed
+        prefill2 = pool.submit(at, prefill_url, twin, p2)
+        decode2 = pool.submit(at, decode_url, twin, d2)
+        replies = {n: f.result() for n, f in [("p1", prefill1), ("p2", prefill2)]}
+        outputs = {first: decode1.result(), twin: decode2.result()}
+
+    assert {n: r.status for n, r in replies.items()} == {"p1": 200, "p2": 200}
+    for name, reply in outputs.items():
+        assert workload.mismatch(reference[name], reply) is None, name
+    assert delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
+    assert delta(before, cluster, "decode0", "rejected.duplicate") >= 1
+    faults.assert_no_blocks_held(cluster)
+
+
+PAUSE_S = 5.0  # longer than the peer timeout (3 s), within the deadlines
+
+
+@pytest.mark.parametrize(
+    ("side", "name", "after"),
+    [
+        ("prefill0", "completion-long", "completion-stream"),
+        ("decode0", "chat-stream", "completion-short"),
+    ],
+)
+def test_a_paused_instance_and_its_peer_converge_by_themselves(
+    cluster, reference, side, name, after
+):
+    """An operator stops one side (SIGSTOP) for longer than the peer timeout
+    while a transfer is pending, then resumes it. Before the fix the pair
+    stayed broken: prefill forgot the decode, decode never greeted again,
+    and every later request waited out its deadline and recomputed."""
+    faults.set_faults(cluster, delay_ready_s=1.5)  # the transfer stays pending
+    client_id = f"pause-{side}-{uuid.uuid4().hex[:6]}"
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(send_shape, cluster, name, client_id)
+        faults.wait_transfer_phase(cluster, client_id, "reg_received")
+        os.killpg(cluster.pid(side), signal.SIGSTOP)
+        try:
+            time.sleep(PAUSE_S)
+        finally:
+            os.killpg(cluster.pid(side), signal.SIGCONT)
+        reply = pending.result()
+    faults.set_faults(cluster)
+
+    assert workload.mismatch(reference[name], reply) is None, name
+    faults.wait_router_routes(cluster)
+    assert_shape_pushed(cluster, reference, after)  # the pair works again
     faults.assert_no_blocks_held(cluster)
 
 

@@ -140,19 +140,40 @@ def kv_cache_usage(instance_url: str) -> float:
     return max(values)
 
 
-def _leg_params(mode: str, cluster: Any, request_id: str) -> tuple[Any, Any]:
-    """kv_transfer_params of (prefill leg, decode leg), built with the
+def kvpush_legs(cluster: Any, tid: str) -> tuple[PrefillLeg, DecodeLeg]:
+    """kvpush's (prefill leg, decode leg) for transfer ``tid``, built with the
     router's own parameter types from the cluster's topology."""
     topology = load_topology(cluster.run_dir / TOPOLOGY_FILE)
     prefill, decode = topology.prefills[0], topology.decodes[0]
+    return (
+        PrefillLeg(transfer_id=tid, decode_engine_id=decode.engine_id),
+        DecodeLeg(transfer_id=tid, prefill_engine_id=prefill.engine_id,
+                  prefill_host=prefill.side_channel_host,
+                  prefill_port=prefill.side_channel_port),
+    )  # fmt: skip
+
+
+def leg_bodies(
+    body: dict[str, Any], prefill_params: Any, decode_params: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The bodies the router would send each leg of ``body``."""
+    prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
+    prefill_body.update(
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params=msgspec.to_builtins(prefill_params),
+    )
+    decode_body = dict(body, kv_transfer_params=msgspec.to_builtins(decode_params))
+    return prefill_body, decode_body
+
+
+def _leg_params(mode: str, cluster: Any, request_id: str) -> tuple[Any, Any]:
+    """kv_transfer_params of (prefill leg, decode leg), built with the
+    router's own parameter types from the cluster's topology."""
     if mode == "kvpush":
-        tid = uuid.uuid4().hex
-        return (
-            PrefillLeg(transfer_id=tid, decode_engine_id=decode.engine_id),
-            DecodeLeg(transfer_id=tid, prefill_engine_id=prefill.engine_id,
-                      prefill_host=prefill.side_channel_host,
-                      prefill_port=prefill.side_channel_port),
-        )  # fmt: skip
+        return kvpush_legs(cluster, uuid.uuid4().hex)
+    topology = load_topology(cluster.run_dir / TOPOLOGY_FILE)
+    prefill = topology.prefills[0]
     return RemoteDecodeParams(), PushDecodeParams.for_prefill(prefill, request_id)
 
 
@@ -170,13 +191,7 @@ def send_legs_in_order(
     request_id = uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
     prefill_params, decode_params = _leg_params(mode, cluster, request_id)
-    prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
-    prefill_body.update(
-        max_tokens=1,
-        stream=False,
-        kv_transfer_params=msgspec.to_builtins(prefill_params),
-    )
-    decode_body = dict(body, kv_transfer_params=msgspec.to_builtins(decode_params))
+    prefill_body, decode_body = leg_bodies(body, prefill_params, decode_params)
 
     def send_prefill() -> client.Reply:
         return client.request(prefill_url, path, prefill_body, 180.0, headers)
