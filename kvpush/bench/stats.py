@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import msgspec
+import numpy as np
 
 from kvpush.bench.records import RequestRecord
 
@@ -63,16 +64,13 @@ class Dist(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def percentile(ordered: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile (0-100) of sorted values, interpolating
-    linearly between the two closest ranks."""
+    """The ``p``-th percentile (0-100) of the values, interpolating linearly
+    between the two closest ranks (numpy's default)."""
     if not ordered:
         raise ValueError("percentile of an empty sample")
     if not 0 <= p <= 100:
         raise ValueError(f"percentile must be within 0..100, not {p}")
-    rank = (len(ordered) - 1) * p / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return float(np.percentile(ordered, p))
 
 
 def ttft_s(rec: RequestRecord) -> float | None:
