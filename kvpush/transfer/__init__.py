@@ -16,24 +16,27 @@ Module map, in the order one request meets them:
 * ``matcher`` — prefill's :class:`Matcher`: pairs decode's Registration with
   prefill's :class:`ReadyKv` by transfer id, in either order, with deadlines,
   duplicates, cancel and the prefix-cache slice.
-* ``work`` — :class:`WorkItem` and the ways to cut a match into items (whole,
-  per chunk with :class:`ChunkCursor`, per layer); the last item notifies.
+* ``work`` — :class:`WorkItem` and the ways to cut a match into items (whole;
+  kept for streaming push: per chunk with :class:`ChunkCursor`, per layer);
+  the last item notifies.
 * ``coalesce`` — block pairs to maximal runs contiguous on both sides, and
   runs to NIXL descriptors.
 * ``deadlines`` — :class:`~kvpush.transfer.deadlines.Deadlines`, a lazy
   heap: the earliest deadline and the due keys without scanning the rest
   (the matcher's entries and tombstones).
-* ``ledger`` — :class:`Ledger`, what each transfer holds and until when.
+* ``ledger`` — :class:`Ledger`, decode's destination blocks per transfer
+  (exclusive).
 * ``timeline`` — :class:`Timeline`, per-transfer event times, JSONL helpers.
 
 One request through push mode: the router assigns a transfer id and sends
 both legs. Decode allocates blocks, sends a Registration (after a Hello on
-first contact) and records ``reserved_dst`` in its ledger. Prefill computes;
+first contact) and records its blocks in its ledger. Prefill computes;
 its trigger gives the matcher a ReadyKv. Whichever comes second yields a
 Matched; the work functions cut it into items; the writer coalesces each
 item into descriptors and posts a WRITE, the last one with a Done
-notification; decode releases its hold and starts decoding. Any deadline
-that passes first yields a Dropped, and the peer gets a Failure.
+notification; decode releases its hold and starts decoding. A prefill
+deadline that passes first yields a Dropped, and decode gets a Failure;
+decode's own deadline only quarantines its blocks and asks for that word.
 """
 
 from kvpush.transfer.coalesce import Desc, Run, descriptors, runs
@@ -69,7 +72,6 @@ from kvpush.transfer.timeline import EVENTS, Timeline
 from kvpush.transfer.work import (
     ChunkCursor,
     WorkItem,
-    split_blocks,
     split_layers,
     split_whole,
 )
@@ -109,7 +111,6 @@ __all__ = [
     "descriptors",
     "encode",
     "runs",
-    "split_blocks",
     "split_layers",
     "split_whole",
 ]

@@ -4,9 +4,10 @@ A :class:`WorkItem` says "copy these source blocks to these destination
 blocks, for these layers". The writer takes any item, coalesces its blocks
 (:mod:`kvpush.transfer.coalesce`) and posts one WRITE; it does not care how
 the transfer was cut. The cutting happens here, on the thread that owns the
-match, in one of three granularities:
+match. Today the writer pushes whole requests (:func:`split_whole` after a
+:class:`Matched`: one item). Kept for streaming push (per chunk and per
+layer, the next step), unused by production code until then:
 
-* whole request: :func:`split_whole` after a :class:`Matched` (one item);
 * per prompt chunk: a :class:`ChunkCursor` fed after every prefill step
   emits items for the blocks that became complete;
 * per layer: :func:`split_layers` cuts any item into layer groups, released
@@ -21,7 +22,6 @@ landed.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -75,26 +75,6 @@ def split_layers(item: WorkItem, layers_per_item: int = 1) -> list[WorkItem]:
             notify=item.notify and start == starts[-1],
         )
         for start in starts
-    ]
-
-
-def split_blocks(item: WorkItem, cuts: Sequence[int]) -> list[WorkItem]:
-    """Cut ``item`` before each position in ``cuts`` (strictly increasing,
-    inside ``1..num_blocks-1``). Only the last piece keeps ``item.notify``."""
-    bounds = [0, *cuts, item.num_blocks]
-    if any(a >= b for a, b in itertools.pairwise(bounds)):
-        raise ValueError(
-            f"cuts {list(cuts)} must increase strictly within 1..{item.num_blocks - 1}"
-        )
-    last = len(bounds) - 2
-    return [
-        replace(
-            item,
-            src_block_ids=item.src_block_ids[a:b],
-            dst_block_ids=item.dst_block_ids[a:b],
-            notify=item.notify and i == last,
-        )
-        for i, (a, b) in enumerate(itertools.pairwise(bounds))
     ]
 
 

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from kvpush.transfer.work import (
     ChunkCursor,
     WorkItem,
-    split_blocks,
     split_layers,
     split_whole,
 )
@@ -57,11 +56,13 @@ def test_per_layer_items_cover_every_layer_once(num_layers: int, group: int) -> 
     assert all(len(i.layers) <= group for i in items)
 
 
-@given(st.sets(st.integers(1, 4)), st.integers(1, 3))
-def test_block_and_layer_cuts_compose(cuts: set[int], group: int) -> None:
+@given(st.sets(st.integers(1, 69)), st.integers(1, 3))
+def test_chunk_and_layer_cuts_compose(chunk_ends: set[int], group: int) -> None:
+    cursor = ChunkCursor("t", DST, 0, 70, block_size=16, num_layers=3)
     items = [
         piece
-        for chunk in split_blocks(split_whole("t", SRC, DST, 3)[0], sorted(cuts))
+        for computed in [*sorted(chunk_ends), 70]
+        for chunk in cursor.advance(SRC, computed)
         for piece in split_layers(chunk, group)
     ]
     assert _coverage(items) == _expected(SRC, DST, 3)
@@ -70,13 +71,7 @@ def test_block_and_layer_cuts_compose(cuts: set[int], group: int) -> None:
 
 def test_a_non_notifying_item_stays_silent_when_cut() -> None:
     item = WorkItem("t", SRC, DST, range(3), notify=False)
-    assert not any(i.notify for i in split_layers(item) + split_blocks(item, [2]))
-
-
-@pytest.mark.parametrize("cuts", [[0], [5], [3, 3], [3, 2]])
-def test_block_cuts_must_fall_strictly_inside(cuts: list[int]) -> None:
-    with pytest.raises(ValueError, match="increase strictly"):
-        split_blocks(split_whole("t", SRC, DST, 1)[0], cuts)
+    assert not any(i.notify for i in split_layers(item))
 
 
 @pytest.mark.parametrize(

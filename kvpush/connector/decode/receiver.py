@@ -103,8 +103,7 @@ class Receiver:
             return
         deadline = now + self._ttl_s + GRACE_S
         self._pending[tid] = _Receive(expect, deadline, prefill_boot)
-        hold = Hold(tid, "reserved_dst", expect.dst_block_ids, deadline,
-                    expect.prefill_engine_id)  # fmt: skip
+        hold = Hold(tid, expect.dst_block_ids, expect.prefill_engine_id)
         try:
             self._ledger.hold(hold)
         except ValueError as e:  # vLLM gave a block to two live receives
@@ -212,7 +211,7 @@ class Receiver:
     def _end(self, tid: str, cause: Cause | None) -> None:
         """The receive is over (``cause`` None: the KV landed)."""
         entry = self._pending.pop(tid)
-        self._ledger.release(tid, "reserved_dst")
+        self._ledger.release(tid)
         self._results.finished.add(entry.expect.req_id)
         if entry.phase is Phase.QUARANTINED:
             self._counters.add("quarantine.released")
