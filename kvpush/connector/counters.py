@@ -22,9 +22,7 @@ class Counters:
     """Thread-safe named counts: totals since start, and deltas since the
     last :meth:`take_deltas`."""
 
-    def __init__(self, *_legacy: str) -> None:
-        # ``_legacy``: the (trace_dir, engine_id, role) of the counter files,
-        # ignored; accepted until every role object stops passing them.
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._deltas: dict[str, int] = {}
@@ -54,10 +52,3 @@ class Counters:
         with self._lock:
             deltas, self._deltas = self._deltas, {}
         return deltas
-
-    # Transition: no-ops while role objects still call them (nothing to flush).
-    def maybe_flush(self, force: bool = False) -> None:
-        """No-op (the counter files are gone)."""
-
-    def close(self) -> None:
-        """No-op (the counter files are gone)."""

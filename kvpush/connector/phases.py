@@ -110,6 +110,10 @@ class PhaseClock:
         self, transfer_id: str, event: str, t: float, extra: Mapping[str, Any]
     ) -> None:
         """``event`` happened to ``transfer_id`` at monotonic time ``t``."""
+        if event == "write_ended":  # never landed: its bytes leave the gauge
+            if transfer_id in self._transfers:
+                self._forget(transfer_id)
+            return
         transfer = self._transfers.get(transfer_id)
         if transfer is None:
             self._make_room()

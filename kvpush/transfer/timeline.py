@@ -14,6 +14,8 @@ event                  process   moment
 ``kv_ready``           prefill   prompt's last KV computed (the trigger)
 ``write_posted``       prefill   last WRITE of the transfer posted
 ``write_done``         prefill   that WRITE reported complete
+``write_ended``        prefill   that WRITE ended without completing (NIXL
+                                 error, or cancelled) and NIXL let go of it
 ``notif_received``     decode    Done notification received
 ``first_decode_step``  decode    first decode step scheduled after it
 =====================  ========  ============================================
@@ -39,6 +41,7 @@ EVENTS: tuple[str, ...] = (
     "write_done",
     "notif_received",
     "first_decode_step",
+    "write_ended",
 )
 
 # name -> (start event, end event)
@@ -64,6 +67,7 @@ class Timeline:
     kv_ready: float | None = None
     write_posted: float | None = None
     write_done: float | None = None
+    write_ended: float | None = None
     notif_received: float | None = None
     first_decode_step: float | None = None
 

@@ -27,7 +27,7 @@ def beats(inbox: Inbox) -> list[Heartbeat]:
 def test_heartbeats_keep_going_while_the_engine_step_is_stuck():
     inbox, port = Inbox(), free_port()
     listener = Listener(HOST, port, inbox)
-    heartbeats = Heartbeats("d0", "boot-1", b"", 0.05, Counters("", "d0", "decode"))
+    heartbeats = Heartbeats("d0", "boot-1", b"", 0.05, Counters())
     try:
         heartbeats.set_targets(frozenset({(HOST, port)}))
 
@@ -44,7 +44,7 @@ def test_heartbeats_keep_going_while_the_engine_step_is_stuck():
 def test_no_heartbeats_when_nothing_is_awaited():
     inbox, port = Inbox(), free_port()
     listener = Listener(HOST, port, inbox)
-    heartbeats = Heartbeats("d0", "boot-1", b"", 0.02, Counters("", "d0", "decode"))
+    heartbeats = Heartbeats("d0", "boot-1", b"", 0.02, Counters())
     try:
         heartbeats.set_targets(frozenset({(HOST, port)}))
         assert wait_for(lambda: not inbox.items.empty(), 2.0)

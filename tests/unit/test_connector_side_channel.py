@@ -194,7 +194,7 @@ def test_peers_receive_drops_malformed_replies(peers):
 def test_with_a_shared_secret_only_sealed_messages_get_through():
     inbox = Inbox()
     port = free_port()
-    counters = Counters("", "p0", "prefill")
+    counters = Counters()
     listener = Listener(HOST, port, inbox, counters, secret=b"s3cret")
     good, wrong, plain = Peers(b"s3cret"), Peers(b"guess"), Peers()
     try:

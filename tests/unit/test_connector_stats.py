@@ -81,6 +81,16 @@ def test_bytes_stay_in_flight_until_the_write_is_done() -> None:
     assert clock.take(now=1.5).bytes_in_flight == {"decode0": 50}
 
 
+def test_a_write_that_ended_without_landing_leaves_the_gauge() -> None:
+    clock = PhaseClock()
+    clock.mark("t1", "kv_ready", 1.0, {"peer": "decode0"})
+    clock.mark("t1", "reg_received", 1.0, {})
+    clock.mark("t1", "write_posted", 1.1, {"num_bytes": 100})
+    clock.mark("t1", "write_ended", 1.2, {})  # NIXL error, or cancelled
+    assert clock.take(now=1.3).bytes_in_flight == {"decode0": 0}
+    assert clock.num_transfers == 0
+
+
 def test_an_unfinished_transfer_is_forgotten_after_the_maximum_age() -> None:
     clock = PhaseClock(max_age_s=10.0)
     clock.mark("t1", "kv_ready", 0.0, {"peer": "decode0"})

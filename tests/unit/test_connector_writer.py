@@ -90,7 +90,7 @@ class Rig:
         self.replies = Replies()
         self.tracer = Tracer(tmp_trace_dir, PREFILL)
         config = MatcherConfig(block_size=BS, ready_ttl_s=ready_ttl_s)
-        self.counters = Counters("", PREFILL, "prefill")
+        self.counters = Counters()
         self.writer = Writer(
             self.io,
             PREFILL,

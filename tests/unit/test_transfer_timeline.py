@@ -22,7 +22,7 @@ def _full() -> Timeline:
     return t
 
 
-def test_the_eight_events_in_order() -> None:
+def test_the_events_in_order() -> None:
     assert EVENTS == (
         "reg_sent",
         "recv_expected",
@@ -32,6 +32,7 @@ def test_the_eight_events_in_order() -> None:
         "write_done",
         "notif_received",
         "first_decode_step",
+        "write_ended",
     )
 
 

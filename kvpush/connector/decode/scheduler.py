@@ -48,7 +48,7 @@ class DecodeScheduler:
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
         self.tracer = Tracer(config.trace_dir, config.engine_id)
-        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self.counters = Counters()
         self._peers = Peers(config.secret)
         self._send = outbound(self._peers, FaultSource(config.fault_file)).send
         self._legs = Legs(self.counters)
@@ -131,7 +131,6 @@ class DecodeScheduler:
             self.tracer.mark(self._awaiting_first_step.pop(rid), "first_decode_step")
         self._forward_replies()
         meta, self._meta = self._meta, DecodeMetadata()
-        self.counters.maybe_flush()
         return meta
 
     def _forward_replies(self) -> None:
@@ -184,4 +183,3 @@ class DecodeScheduler:
     def close(self) -> None:
         self._peers.close()
         self.tracer.close()
-        self.counters.close()

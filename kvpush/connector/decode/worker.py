@@ -62,7 +62,7 @@ class DecodeWorker:
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
         self.tracer = Tracer(config.trace_dir, config.engine_id)
-        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self.counters = Counters()
         self._io: NixlIO | None = None
         self._peers = Peers(config.secret, monitor=True)  # watched for liveness
         self._hello: Hello | None = None
@@ -157,7 +157,6 @@ class DecodeWorker:
         self._heartbeats.set_targets(self._receiver.awaited())
         results = self._receiver.take()
         self._load_errors |= results.load_errors
-        self.counters.maybe_flush()
         return results.finished
 
     def _read_replies(self, now: float) -> None:
@@ -220,4 +219,3 @@ class DecodeWorker:
         if self._io is not None:
             self._io.close()
         self.tracer.close()
-        self.counters.close()

@@ -176,14 +176,11 @@ class Pipeline:
     @property
     def steps(self) -> tuple[Callable[[float], None], ...]:
         """What each tick runs, in order (each guarded on its own)."""
-        return (self._admit_due, self._post_due, self._poll, self._expire, self._flush)
+        return (self._admit_due, self._post_due, self._poll, self._expire)
 
     def tick(self, now: float) -> None:
         for step in self.steps:
             step(now)
-
-    def _flush(self, now: float) -> None:
-        self._counters.maybe_flush()
 
     def wait_s(self, now: float) -> float:
         """How long the writer may sleep before the next due work."""
@@ -206,7 +203,6 @@ class Pipeline:
         kept = self._writes.release_all()
         if kept:
             logger.error("kvpush writer: %d WRITE(s) still held at shutdown", kept)
-        self._counters.maybe_flush(force=True)
         return kept == 0
 
     # -- phase 1: halves -------------------------------------------------------
@@ -323,8 +319,10 @@ class Pipeline:
             self._release(tid)
             self._reg_route.pop(tid, None)
         elif outcome is Outcome.FAILED:
+            self._tracer.mark(tid, "write_ended")
             self._end(tid, engine, Cause.WRITE_FAILED, "NIXL reported an error", route)
         else:
+            self._tracer.mark(tid, "write_ended")
             cause = flight.cancel_cause or Cause.CANCELLED
             self._end(tid, engine, cause, f"WRITE cancelled ({cause.value})", route)
 

@@ -49,7 +49,7 @@ class PrefillScheduler:
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
         self.tracer = Tracer(config.trace_dir, config.engine_id)
-        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self.counters = Counters()
         self._legs = Legs(self.counters)
         self._prefills: dict[str, _Prefill] = {}
         self._held: set[str] = set()  # requests whose blocks vLLM keeps for us
@@ -76,7 +76,6 @@ class PrefillScheduler:
         self._track_blocks(scheduler_output)
         self._find_last_chunks(scheduler_output.num_scheduled_tokens)
         meta, self._meta = self._meta, PrefillMetadata()
-        self.counters.maybe_flush()
         return meta
 
     def _note_preemptions(self, preempted: Any) -> None:
@@ -157,4 +156,3 @@ class PrefillScheduler:
 
     def close(self) -> None:
         self.tracer.close()
-        self.counters.close()

@@ -41,7 +41,7 @@ class PrefillWorker:
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
         self.tracer = Tracer(config.trace_dir, config.engine_id)
-        self.counters = Counters(config.trace_dir, config.engine_id, config.role)
+        self.counters = Counters()
         self._io: NixlIO | None = None
         self._device_type = "cpu"
         self._listener: Listener | None = None
@@ -144,4 +144,3 @@ class PrefillWorker:
             else:  # deregistering under a live WRITE could corrupt memory
                 logger.error("kvpush: leaving KV memory registered at shutdown")
         self.tracer.close()
-        self.counters.close()

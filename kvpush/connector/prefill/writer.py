@@ -85,7 +85,7 @@ class Writer:
             reply,
             self._finished.put,
             tracer,
-            counters or Counters("", engine_id, "prefill"),
+            counters or Counters(),
             peer_timeout_s,
             faults or FaultSource(""),
             write_timeout_s,
