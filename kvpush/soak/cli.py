@@ -7,7 +7,8 @@ streaming requests through the router with Poisson arrivals for
 mid-request, waits for every request to end, lets the cluster settle and
 reads each instance's KV usage. Every request is classified (completed,
 aborted, failed with an error it was told, lost); the exit status is 0 only
-when none was lost, no KV block leaked and some completed. Writes
+when none was lost, no KV block leaked or was quarantined, and some
+completed. Writes
 ``soak.json``, ``soak.md`` and ``requests.jsonl`` to ``--out``; with
 ``--publish``, also the soak section of ``BENCHMARKS.md``.
 """
@@ -302,7 +303,8 @@ def print_result(console: Console, summary: SoakSummary, files: list[Path]) -> N
     console.print(
         f"soak: {summary.num_requests} requests at {summary.achieved_qps:.2f} req/s: "
         f"completed {c['completed']}, aborted {c['aborted']}, failed {c['failed']}, "
-        f"lost {c['lost']}; leaked KV blocks {summary.num_leaked_blocks}"
+        f"lost {c['lost']}; leaked KV blocks {summary.num_leaked_blocks}, "
+        f"quarantined {summary.num_quarantined_blocks}"
     )
     for r in summary.kv:
         console.print(

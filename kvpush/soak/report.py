@@ -70,6 +70,12 @@ class SoakSummary(msgspec.Struct, frozen=True, kw_only=True):
     def num_leaked_blocks(self) -> int:
         return sum(max(0, r.num_leaked_blocks) for r in self.kv)
 
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """Decode blocks whose receive passed its deadline without prefill's
+        final word (kvpush's ``quarantined.blocks``; 0 for other modes)."""
+        return self.counters.totals.get("quarantined.blocks", 0)
+
 
 def summarize(
     run: SoakRun,
@@ -128,6 +134,11 @@ def problems(summary: SoakSummary) -> list[str]:
     if lost:
         found.append(f"{lost} requests lost ({_reasons(summary.reasons['lost'])})")
     found += leak_problems(summary.kv)
+    if summary.num_quarantined_blocks:
+        found.append(
+            f"{summary.num_quarantined_blocks} KV blocks quarantined (a receive "
+            "passed its deadline without prefill's final word)"
+        )
     if not summary.counts.get("completed", 0):
         found.append("no request completed")
     return found
@@ -154,10 +165,14 @@ def render_section(summary: SoakSummary) -> str:
 
 def _verdict(summary: SoakSummary) -> str:
     lost, leaked = summary.counts.get("lost", 0), summary.num_leaked_blocks
+    quarantined = summary.num_quarantined_blocks
     notes = [f"- {p}" for p in summary.problems]
     notes += [f"- warning: {w}" for w in summary.warnings]
     if summary.has_passed:
-        head = f"**Passed:** {lost} requests lost, {leaked} KV blocks leaked."
+        head = (
+            f"**Passed:** {lost} requests lost, {leaked} KV blocks leaked, "
+            f"{quarantined} KV blocks quarantined."
+        )
     else:
         head = "**Failed:**"
     return "\n\n".join([head, "\n".join(notes)]) if notes else head

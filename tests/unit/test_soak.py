@@ -358,7 +358,8 @@ def test_a_clean_run_passes_and_its_section_says_what_ran() -> None:
     assert summary.ttft_ms is not None and summary.ttft_ms.p50 == pytest.approx(100)
     text = render_section(summary)
     assert text.startswith(
-        "## Soak\n\n**Passed:** 0 requests lost, 0 KV blocks leaked."
+        "## Soak\n\n**Passed:** 0 requests lost, 0 KV blocks leaked, "
+        "0 KV blocks quarantined."
     )
     row = "| 8 | 6 | 1 (1 / 0) | 1 (http_503 1) | 0 | 100 | 100 | 400 | 400 |"
     for fact in ("2026-01-01T00:00:00+00:00", "commit abc1234", "45 s of Poisson",
@@ -380,6 +381,18 @@ def test_lost_requests_and_leaked_blocks_fail_the_run() -> None:
     text = render_section(summary)
     assert "**Failed:**" in text and "- 1 requests lost (timeout 1)" in text
     assert "`soak-1: timeout: no complete answer within 60 s`" in text
+
+
+def test_quarantined_blocks_fail_the_run() -> None:
+    """A receive that passed its deadline without prefill's final word is a
+    fault the soak must not hide, even once the blocks came back."""
+    counters = ConnectorCounters(num_instances=2, totals={"quarantined.blocks": 3})
+    summary = summarize(run_info(), [record()], CLEAN, 0, counters)
+    assert summary.num_quarantined_blocks == 3
+    assert summary.problems == [
+        "3 KV blocks quarantined (a receive passed its deadline without "
+        "prefill's final word)"
+    ]
 
 
 def test_a_run_where_nothing_completed_fails() -> None:
