@@ -22,7 +22,9 @@ every :data:`POLL_MIN_S` at first and then less often, doubling up to
 :data:`POLL_MAX_S` (decode learns of the data from NIXL's own notification;
 prefill's poll only frees prefill's blocks and answers cancels, so a late
 poll costs nothing on the critical path). A heap of due times means a wake
-touches only the WRITEs that are due.
+touches only the WRITEs that are due, and a wake also takes those due
+within :data:`POLL_SLACK_S`, so that WRITEs in flight together are polled in
+the same wakes rather than each in its own.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 RETRY_S = 1.0  # between two tries to release a handle
 POLL_MIN_S = 0.0005  # first poll of a WRITE, and the gap between early polls
 POLL_MAX_S = 0.008  # the gap between polls of a long WRITE
+POLL_SLACK_S = 0.002  # a wake also polls WRITEs due this much later
 MAX_RELEASE_TRIES = 3  # cancels of a running WRITE before it counts as stuck
 
 
@@ -182,7 +185,7 @@ class Writes:
 
     def _take_due(self, now: float) -> list[InFlight]:
         out = []
-        while (due := self.next_due()) is not None and due <= now:
+        while (due := self.next_due()) is not None and due <= now + POLL_SLACK_S:
             _, _, tid = heapq.heappop(self._due)
             out.append(self._inflight[tid])
         return out
