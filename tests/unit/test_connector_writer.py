@@ -19,6 +19,7 @@ import pytest
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.prefill.fence import NoFence
+from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.coalesce import Desc
@@ -93,12 +94,10 @@ class Rig:
         self.counters = Counters()
         self.writer = Writer(
             self.io,
-            PREFILL,
-            config,
+            WriterConfig(PREFILL, config, peer_timeout_s=peer_timeout_s),
             self.replies,
             self.tracer,
             self.counters,
-            peer_timeout_s,
             FaultSource(fault_file),
         )
         self.finished: set[str] = set()

@@ -28,6 +28,7 @@ from kvpush.bench.micro.report import CpuTiming
 from kvpush.bench.micro.stats import Spread
 from kvpush.connector.nixl_io import NixlIO, XferState
 from kvpush.connector.prefill.fence import NoFence
+from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.layout import KvLayout
@@ -126,19 +127,15 @@ def _measure(
     io = _StuckNixl("bench-p0", kv_layout)
     replies = _Replies()
     before = set(threading.enumerate())
-    writer = Writer(
-        cast(NixlIO, io),
-        "bench-p0",
-        MatcherConfig(
-            block_size=BLOCK_SIZE,
-            ready_ttl_s=LONG_S,
-            max_pending=max(4096, num_waiting + num_inflight),
-        ),
-        replies,
-        Tracer("", "bench-p0"),
-        peer_timeout_s=LONG_S,
-        write_timeout_s=LONG_S,
+    matcher = MatcherConfig(
+        block_size=BLOCK_SIZE,
+        ready_ttl_s=LONG_S,
+        max_pending=max(4096, num_waiting + num_inflight),
     )
+    config = WriterConfig(
+        "bench-p0", matcher, peer_timeout_s=LONG_S, write_timeout_s=LONG_S
+    )
+    writer = Writer(cast(NixlIO, io), config, replies, Tracer("", "bench-p0"))
     (thread,) = [
         t for t in set(threading.enumerate()) - before if t.name == "kvpush-writer"
     ]

@@ -62,7 +62,23 @@ from kvpush.transfer.work import split_whole
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # longest sleep of the writer thread
+WRITE_TIMEOUT_S = 30.0  # a WRITE in flight longer than this is cancelled
 POLL_S = 0.0005  # poll period while a device fence is pending
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """What one prefill worker's writer needs to know (frozen)."""
+
+    engine_id: str
+    matcher: MatcherConfig
+    boot_id: str = "0"  # this start of the prefill (sent in HelloReply)
+    peer_timeout_s: float = 10.0  # a decode silent this long is dropped
+    write_timeout_s: float = WRITE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.peer_timeout_s <= 0 or self.write_timeout_s <= 0:
+            raise ValueError("peer_timeout_s and write_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -95,23 +111,21 @@ class Pipeline:
     def __init__(
         self,
         io: NixlIO,
-        engine_id: str,
-        matcher_config: MatcherConfig,
+        config: WriterConfig,
         reply: Callable[[bytes, Message], None],
         finished: Callable[[str], None],
         tracer: Tracer,
         counters: Counters,
-        peer_timeout_s: float,
         faults: FaultSource,
-        write_timeout_s: float,
-        boot_id: str = "0",
     ) -> None:
-        self._io, self._engine_id, self._boot_id = io, engine_id, boot_id
+        self._io, self._engine_id, self._boot_id = io, config.engine_id, config.boot_id
         self._reply, self._finished = reply, finished
         self._tracer, self._counters, self._faults = tracer, counters, faults
-        self._matcher = Matcher(matcher_config)
-        self._peers = DecodePeers(peer_timeout_s)
-        self._writes = Writes(io, engine_id, tracer, counters, write_timeout_s)
+        self._matcher = Matcher(config.matcher)
+        self._peers = DecodePeers(config.peer_timeout_s)
+        self._writes = Writes(
+            io, config.engine_id, tracer, counters, config.write_timeout_s
+        )
         self._later: list[tuple[float, int, Ready]] = []  # fault-delayed KV
         self._seq = itertools.count()
         self._to_post: dict[str, _ToPost] = {}

@@ -24,6 +24,7 @@ from kvpush.connector.faults import FaultSource
 from kvpush.connector.metadata import PrefillMetadata
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.fence import record_fence
+from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.side_channel import Listener
 from kvpush.connector.trace import Tracer
@@ -57,16 +58,19 @@ class PrefillWorker:
         matcher = MatcherConfig(
             block_size=self.config.block_size, ready_ttl_s=self.config.ready_ttl_s
         )
+        config = WriterConfig(
+            engine_id=self.config.engine_id,
+            matcher=matcher,
+            boot_id=self.config.boot_id,
+            peer_timeout_s=self.config.peer_timeout_s,
+        )
         self._writer = Writer(
             self._io,
-            self.config.engine_id,
-            matcher,
+            config,
             self._reply,
             self.tracer,
             self.counters,
-            self.config.peer_timeout_s,
             FaultSource(self.config.fault_file),
-            boot_id=self.config.boot_id,
         )
         self._listener = Listener(
             self.config.side_channel_host,

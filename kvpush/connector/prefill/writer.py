@@ -32,14 +32,13 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.fence import ReadyFence
-from kvpush.connector.prefill.pipeline import Pipeline, Ready
+from kvpush.connector.prefill.pipeline import Pipeline, Ready, WriterConfig
 from kvpush.connector.trace import Tracer
-from kvpush.transfer.matcher import MatcherConfig, ReadyKv
+from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import Message, Registration
 
 logger = logging.getLogger(__name__)
 
-WRITE_TIMEOUT_S = 30.0  # a WRITE in flight longer than this is cancelled
 STALL_S = 2.0  # a loop gap this long means this process was stopped
 JOIN_S = 5.0  # close(): how long to wait for the thread (it wakes every 0.1 s)
 
@@ -66,32 +65,24 @@ class Writer:
     def __init__(
         self,
         io: NixlIO,
-        engine_id: str,
-        matcher_config: MatcherConfig,
+        config: WriterConfig,
         reply: Callable[[bytes, Message], None],
         tracer: Tracer,
         counters: Counters | None = None,
-        peer_timeout_s: float = 10.0,
         faults: FaultSource | None = None,
-        write_timeout_s: float = WRITE_TIMEOUT_S,
-        boot_id: str = "0",
     ) -> None:
         self._tracer = tracer
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pipeline = Pipeline(
             io,
-            engine_id,
-            matcher_config,
+            config,
             reply,
             self._finished.put,
             tracer,
             counters or Counters(),
-            peer_timeout_s,
             faults or FaultSource(""),
-            write_timeout_s,
-            boot_id,
         )
-        self.write_timeout_s = write_timeout_s
+        self.write_timeout_s = config.write_timeout_s
         self._inbox: queue.SimpleQueue[tuple[Kind, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(
