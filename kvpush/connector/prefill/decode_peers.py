@@ -1,13 +1,15 @@
 """The decodes a prefill writer pushes to: for each decode engine its NIXL
 agent, KV layout, reply route and boot id (from its Hello), and when it was
-last heard from. Owned by the writer thread; pure bookkeeping, no I/O."""
+last heard from. Owned by the writer thread; bookkeeping only (loading a
+peer's NIXL metadata is the caller's ``load`` function)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvpush.transfer.layout import KvLayout
-from kvpush.transfer.messages import Registration
+from kvpush.transfer.layout import KvLayout, compat_problem
+from kvpush.transfer.messages import Hello, Registration
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,33 @@ class DecodePeers:
     def get(self, engine_id: str) -> DecodePeer | None:
         return self._peers.get(engine_id)
 
-    def add(self, engine_id: str, peer: DecodePeer) -> None:
-        self._peers[engine_id] = peer
+    def accept(
+        self,
+        hello: Hello,
+        route: bytes,
+        local: KvLayout,
+        load: Callable[[str, bytes], str],
+    ) -> str | None:
+        """Take a decode's Hello (from socket ``route``): why it is refused,
+        or None once the peer is known (its metadata loaded with ``load``,
+        or, for the same agent seen again, only its route updated). A known
+        peer of another boot must have been forgotten first."""
+        problem = compat_problem(local, hello.layout)
+        if problem is not None:
+            return problem
+        known = self._peers.get(hello.engine_id)
+        if known is not None and known.metadata == hello.nixl_metadata:
+            self.reroute(hello.engine_id, route)  # same decode, new socket
+            return None
+        try:
+            agent = load(hello.agent_name, hello.nixl_metadata)
+        except Exception as e:  # bad metadata is the peer's problem
+            return f"cannot load NIXL metadata: {e}"
+        peer = DecodePeer(
+            agent, hello.layout, route, hello.boot_id, hello.nixl_metadata
+        )
+        self._peers[hello.engine_id] = peer
+        return None
 
     def reroute(self, engine_id: str, route: bytes) -> None:
         """The same decode said hello again from another socket."""

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.nixl_io import NixlIO
-from kvpush.connector.prefill.decode_peers import DecodePeer, DecodePeers
+from kvpush.connector.prefill.decode_peers import DecodePeers
 from kvpush.connector.prefill.fence import ReadyFence
+from kvpush.connector.prefill.posting import Posting, ToPost
+from kvpush.connector.prefill.tell import Teller
 from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
-from kvpush.transfer.layout import compat_problem
 from kvpush.transfer.matcher import (
     Dropped,
     Matched,
@@ -49,7 +50,6 @@ from kvpush.transfer.matcher import (
 from kvpush.transfer.messages import (
     Cancel,
     Cause,
-    Failure,
     Heartbeat,
     Hello,
     HelloReply,
@@ -91,20 +91,6 @@ class Ready:
     fence: ReadyFence
 
 
-@dataclass(frozen=True)
-class _ToPost:
-    matched: Matched
-    not_before: float  # fault injection's delay; the match time otherwise
-
-    @property
-    def engine(self) -> str:
-        return self.matched.registration.decode_engine_id
-
-    @property
-    def boot(self) -> str:
-        return self.matched.registration.decode_boot_id
-
-
 class Pipeline:
     """Pending halves, matched transfers, WRITEs in flight, known decodes."""
 
@@ -128,10 +114,10 @@ class Pipeline:
         )
         self._later: list[tuple[float, int, Ready]] = []  # fault-delayed KV
         self._seq = itertools.count()
-        self._to_post: dict[str, _ToPost] = {}
+        self._to_post = Posting()
         self._req_of: dict[str, str] = {}  # transfer id -> prefill request id
         self._fences: dict[str, ReadyFence] = {}
-        self._reg_route: dict[str, bytes] = {}  # where its Registration came from
+        self._tell = Teller(config.engine_id, reply, counters)
         self._preempt_waits: list[tuple[set[str], Callable[[], None]]] = []
 
     # -- events ------------------------------------------------------------
@@ -198,17 +184,11 @@ class Pipeline:
 
     def wait_s(self, now: float) -> float:
         """How long the writer may sleep before the next due work."""
-        fenced = any(
-            not self._fences[tid].is_ready()
-            for tid in self._to_post
-            if tid in self._fences
-        )
-        if self._writes or fenced:
+        if any(not self._fence_ready(tid) for tid in self._to_post):
             return POLL_S
-        due = [self._matcher.next_deadline()]
+        due = [self._matcher.next_deadline(), self._writes.next_due()]
         due += [self._later[0][0]] if self._later else []
-        due += [tp.matched.post_deadline for tp in self._to_post.values()]
-        due += [tp.not_before for tp in self._to_post.values()]
+        due.append(self._to_post.next_due())
         soonest = min((d for d in due if d is not None), default=now + IDLE_WAIT_S)
         return min(IDLE_WAIT_S, max(0.0, soonest - now))
 
@@ -264,7 +244,7 @@ class Pipeline:
             self._drop_all(result.dropped, Cause.REJECTED)
             self._fail(tid, engine, Cause.REJECTED, result.reason, route)
             return
-        self._reg_route[tid] = route
+        self._tell.registered(tid, route)
         if not self._peers.knows(engine, reg.decode_boot_id):
             ask = HelloRequest(self._engine_id, reg.decode_boot_id, tid)
             self._reply(route, ask)
@@ -274,35 +254,26 @@ class Pipeline:
     # -- phase 2: matched, to post -------------------------------------------
 
     def _matched(self, m: Matched, now: float) -> None:
-        self._to_post[m.transfer_id] = _ToPost(m, now + self._faults.post_delay_s())
+        self._to_post.add(m, now + self._faults.post_delay_s())
+
+    def _fence_ready(self, tid: str) -> bool:
+        fence = self._fences.get(tid)
+        return fence is None or fence.is_ready()
 
     def _post_due(self, now: float) -> None:
-        for tid, tp in list(self._to_post.items()):
-            known = self._peers.knows(tp.engine, tp.boot)
-            fence = self._fences.get(tid)
-            ready = fence is None or fence.is_ready()
-            if now > tp.matched.post_deadline:
-                del self._to_post[tid]
-                self._expired_before_post(tid, tp, known, ready)
-            elif known and ready and now >= tp.not_before:
-                del self._to_post[tid]
-                self._fences.pop(tid, None)
-                self._post(tp, now)
+        postable, overdue = self._to_post.sweep(
+            now, self._peers.knows, self._fence_ready
+        )
+        for late in overdue:
+            if late.event is not None:
+                self._counters.add(late.event)
+            tp = late.item
+            self._end(tp.transfer_id, tp.engine, late.cause, late.why)
+        for tp in postable:
+            self._fences.pop(tp.transfer_id, None)
+            self._post(tp, now)
 
-    def _expired_before_post(
-        self, tid: str, tp: _ToPost, known: bool, ready: bool
-    ) -> None:
-        if not known:
-            self._counters.add("expired.no_hello")
-            self._end(tid, tp.engine, Cause.EXPIRED, "decode never said hello")
-        elif not ready:
-            why = "the KV's device work did not finish before the deadline"
-            self._end(tid, tp.engine, Cause.WRITE_FAILED, why)
-        else:
-            self._counters.add("expired.matched")
-            self._end(tid, tp.engine, Cause.EXPIRED, "matched after its deadline")
-
-    def _post(self, tp: _ToPost, now: float) -> None:
+    def _post(self, tp: ToPost, now: float) -> None:
         m, peer = tp.matched, self._peers.get(tp.engine)
         problem = self._peers.range_problem(m.registration)
         if problem is not None or peer is None:
@@ -331,7 +302,7 @@ class Pipeline:
         if outcome is Outcome.DONE:  # its Done went with it: the final word
             self._tracer.mark(tid, "write_done")
             self._release(tid)
-            self._reg_route.pop(tid, None)
+            self._tell.closed(tid)
         elif outcome is Outcome.FAILED:
             self._tracer.mark(tid, "write_ended")
             self._end(tid, engine, Cause.WRITE_FAILED, "NIXL reported an error", route)
@@ -355,7 +326,7 @@ class Pipeline:
     def _expire(self, now: float) -> None:
         self._drop_all(self._matcher.expire(now), Cause.EXPIRED)
         engines = self._matcher.engines_with_registrations()
-        engines |= {tp.engine for tp in self._to_post.values()}
+        engines |= self._to_post.engines()
         for engine in self._peers.silent(engines, now):
             self._forget(engine, f"no message for {self._peers.timeout_s:.0f} s", now)
 
@@ -363,19 +334,7 @@ class Pipeline:
         known = self._peers.get(hello.engine_id)
         if known is not None and known.boot_id != hello.boot_id:
             self._forget(hello.engine_id, "decode restarted", now, hello.boot_id)
-            known = None
-        problem = compat_problem(self._io.layout, hello.layout)
-        if problem is None and (known is None or known.metadata != hello.nixl_metadata):
-            try:
-                agent = self._io.load_peer(hello.agent_name, hello.nixl_metadata)
-                peer = DecodePeer(
-                    agent, hello.layout, route, hello.boot_id, hello.nixl_metadata
-                )
-                self._peers.add(hello.engine_id, peer)
-            except Exception as e:  # bad metadata is the peer's problem
-                problem = f"cannot load NIXL metadata: {e}"
-        elif problem is None and known is not None:  # same decode, new socket
-            self._peers.reroute(hello.engine_id, route)
+        problem = self._peers.accept(hello, route, self._io.layout, self._io.load_peer)
         reply = HelloReply(
             engine_id=self._engine_id,
             accepted=problem is None,
@@ -407,14 +366,13 @@ class Pipeline:
             }
         for tid in gone:
             self._drop_all(self._matcher.cancel(tid, why, now), tell)
-        for tid, tp in list(self._to_post.items()):
-            if tp.engine == engine and tp.boot != new_boot:
-                del self._to_post[tid]
-                self._release(tid)
-                if tell is not None:
-                    self._fail(tid, engine, tell, why)
-                else:
-                    self._reg_route.pop(tid, None)
+        for tp in self._to_post.of_engine(engine, new_boot):
+            self._to_post.pop(tp.transfer_id)
+            self._release(tp.transfer_id)
+            if tell is not None:
+                self._fail(tp.transfer_id, engine, tell, why)
+            else:
+                self._tell.closed(tp.transfer_id)
         self._peers.forget(engine, dead=new_boot is None)
 
     # -- endings ---------------------------------------------------------------
@@ -423,8 +381,7 @@ class Pipeline:
         """Close ``tid`` wherever it is; a WRITE in flight is cancelled."""
         if self._writes.get(tid) is not None:
             self._writes.cancel(tid, cause, None, now)
-        elif tid in self._to_post:
-            tp = self._to_post.pop(tid)
+        elif (tp := self._to_post.pop(tid)) is not None:
             self._end(tid, tp.engine, cause, why)
         else:
             self._drop_all(self._matcher.cancel(tid, why, now), cause)
@@ -437,8 +394,7 @@ class Pipeline:
         if self._writes.get(tid) is not None:  # answered when the WRITE ends
             self._writes.cancel(tid, Cause.CANCELLED, route, now)
             return
-        if tid in self._to_post:
-            del self._to_post[tid]
+        if self._to_post.pop(tid) is not None:
             self._release(tid)
         else:
             self._drop_all(self._matcher.cancel(tid, cancel.reason, now), None)
@@ -458,7 +414,7 @@ class Pipeline:
             if cause is not None:
                 self._fail(d.transfer_id, d.notify_engine_id, cause, d.reason)
             else:
-                self._reg_route.pop(d.transfer_id, None)
+                self._tell.closed(d.transfer_id)
 
     def _end(
         self,
@@ -487,16 +443,6 @@ class Pipeline:
         detail: str,
         route: bytes | None = None,
     ) -> None:
-        """Prefill's final word on ``tid``: it will not write. Sent on
-        ``route``, else where the Registration came from, else to decode's
-        worker (its Hello's socket); dropped if none is known."""
-        logger.warning("kvpush: transfer %s failed (%s): %s", tid, cause.value, detail)
-        self._counters.add(f"failed.{cause.value}")
+        """Prefill's final word on ``tid`` (see :class:`Teller`)."""
         peer = self._peers.get(engine)
-        reg_route = self._reg_route.pop(tid, None)
-        route = route or reg_route or (peer.route if peer is not None else None)
-        if route is None:
-            self._counters.add("failed.unroutable")
-            return
-        failure = Failure(tid, self._engine_id, cause, detail[:1000])
-        self._reply(route, failure)
+        self._tell.fail(tid, cause, detail, route, peer.route if peer else None)
