@@ -1,5 +1,5 @@
-"""The ``kvpush`` command: make-model, up, down, status, router, bench,
-bench-micro, soak."""
+"""The ``kvpush`` command: make-model, up, serve, down, status, router,
+drain, bench, bench-micro, soak."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from kvpush import env
 from kvpush.bench.cli import add_parser as add_bench_parser
 from kvpush.bench.micro.cli import add_parser as add_bench_micro_parser
+from kvpush.launcher.cli import INSTANCE_KEYS, add_instance_options, add_serve_parser
 from kvpush.topology import MODES
 
 
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_model(sub)
     _add_up(sub)
+    add_serve_parser(sub)
     run_dir_help = (
         "run directory of the cluster (default: $KVPUSH_RUN_DIR or $KVPUSH_HOME/run)"
     )
@@ -113,11 +115,7 @@ def _add_up(sub: Any) -> None:
     p.add_argument(
         "--decode", dest="num_decode", type=int, help="decode instances (default 1)"
     )
-    p.add_argument(
-        "--model", type=Path, help="model directory (default: the tiny model)"
-    )
     p.add_argument("--port", type=int, help="router port (default 8000)")
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument(
         "--base-http-port", type=int, help="first instance HTTP port (default 8100)"
     )
@@ -126,37 +124,8 @@ def _add_up(sub: Any) -> None:
         type=int,
         help="first NIXL side-channel port (default 5600)",
     )
-    p.add_argument(
-        "--run-dir", type=Path, help="state and logs (default $KVPUSH_HOME/run)"
-    )
-    p.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="default float32"
-    )
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument(
-        "--kv-cache-space-gb", type=int, help="VLLM_CPU_KVCACHE_SPACE per instance"
-    )
     p.add_argument("--startup-timeout-s", type=float)
-    p.add_argument(
-        "--kv-load-failure-policy",
-        choices=["recompute", "error"],
-        help="when KV does not arrive, decode recomputes it (default) or errors",
-    )
-    for flag, default in (("registration", 60), ("ready", 30), ("peer-timeout", 10)):
-        name = flag if flag == "peer-timeout" else f"{flag}-ttl"
-        p.add_argument(
-            f"--{name}-s", type=float, help=f"kvpush deadline (default {default} s)"
-        )
-    p.add_argument(
-        "--fault-injection",
-        action="store_true",
-        default=None,
-        help="tests only: connectors obey RUN_DIR/faults.json",
-    )
-    p.add_argument(
-        "--config", type=Path, help="JSON or TOML file of these settings; flags win"
-    )
+    add_instance_options(p)
     p.set_defaults(func=_cmd_up)
 
 
@@ -178,11 +147,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 _UP_KEYS = (
-    "mode", "num_prefill", "num_decode", "model", "port", "host", "base_http_port",
-    "base_side_channel_port", "run_dir", "dtype", "max_model_len",
-    "max_num_batched_tokens", "kv_cache_space_gb", "startup_timeout_s",
-    "kv_load_failure_policy", "registration_ttl_s", "ready_ttl_s", "peer_timeout_s",
-    "fault_injection",
+    "mode", "num_prefill", "num_decode", "port", "base_http_port",
+    "base_side_channel_port", "startup_timeout_s", *INSTANCE_KEYS,
 )  # fmt: skip
 
 

@@ -19,4 +19,9 @@ def open_agent(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor]) -> N
     layout = layout_of(
         kv_caches, config.block_size, num_blocks, cache_dtype=config.cache_dtype
     )
-    return NixlIO(config.agent_name, layout, memory_type(first.device.type))
+    return NixlIO(
+        config.agent_name,
+        layout,
+        memory_type(first.device.type),
+        backend=config.nixl_backend,
+    )

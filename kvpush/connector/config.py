@@ -6,11 +6,13 @@ The launcher sets these through ``kv_connector_extra_config``::
      "trace_dir": "RUN_DIR/traces",
      # optional, defaults below:
      "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
-     "fault_file": ""}
+     "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false}
 
-The optional shared secret that authenticates side-channel messages comes
-from the environment (``KVPUSH_SIDE_CHANNEL_SECRET``), never from the command
-line, where other users of the machine could read it.
+The shared secret that authenticates side-channel messages comes from the
+environment (``KVPUSH_SIDE_CHANNEL_SECRET``), never from the command line,
+where other users of the machine could read it. A prefill whose side channel
+binds anything but loopback refuses to start without it unless
+``insecure_side_channel`` is true (:mod:`kvpush.side_channel_auth`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth
+
 ConnectorRole = Literal["prefill", "decode"]
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-SECRET_ENV = "KVPUSH_SIDE_CHANNEL_SECRET"
+# NIXL transport plugins kvpush may be configured with: UCX (the default,
+# tested here) and LIBFABRIC (what AWS EFA users run).
+NIXL_BACKENDS: tuple[str, ...] = ("UCX", "LIBFABRIC")
 _DURATIONS = ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s")
 
 
@@ -47,10 +53,17 @@ class ConnectorConfig:
     secret: bytes = b""  # side-channel authentication key; empty: off
     num_blocks: int = 0  # KV-cache blocks per layer (vLLM's); 0: read the tensors
     cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
+    nixl_backend: str = "UCX"  # NIXL transport plugin, one of NIXL_BACKENDS
+    insecure_side_channel: bool = False  # allow no secret off loopback
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             raise ValueError("kv-transfer-config needs a non-empty engine_id")
+        check_nixl_backend(self.nixl_backend)
+        if self.role == "prefill":  # its worker binds the listener here
+            check_side_channel_auth(
+                self.side_channel_host, bool(self.secret), self.insecure_side_channel
+            )
         if not 1 <= self.side_channel_port <= 65535:
             raise ValueError(
                 "kv_connector_extra_config.side_channel_port must be a port "
@@ -106,7 +119,17 @@ class ConnectorConfig:
                 secret=os.environ.get(SECRET_ENV, "").encode(),
                 num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
                 cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
+                nixl_backend=str(extra.get("nixl_backend", "UCX")),
+                insecure_side_channel=extra.get("insecure_side_channel") is True,
                 **durations,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad KvPushConnector config: {e}") from e
+
+
+def check_nixl_backend(name: str) -> None:
+    """Raise ValueError unless ``name`` is a NIXL backend kvpush supports."""
+    if name not in NIXL_BACKENDS:
+        raise ValueError(
+            f"nixl_backend must be one of {', '.join(NIXL_BACKENDS)}, not {name!r}"
+        )

@@ -38,14 +38,16 @@ class NixlIO:
     progress thread is off, so an idle agent costs nothing.
     """
 
-    def __init__(self, name: str, layout: KvLayout, mem_type: str) -> None:
+    def __init__(
+        self, name: str, layout: KvLayout, mem_type: str, backend: str = "UCX"
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self.layout = layout
         self.mem_type = mem_type
         self._agent = nixl_agent(
-            name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            name, nixl_agent_config(enable_prog_thread=False, backends=[backend])
         )
         span = layout.num_blocks * layout.block_bytes
         regions = [(addr, span, layout.device_id, "") for addr in layout.base_addrs]

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from kvpush import env
 from kvpush.launcher import process
-from kvpush.launcher.config import ClusterConfig
+from kvpush.launcher.config import ClusterConfig, InstanceSettings, check_secret
 from kvpush.launcher.instances import (
     InstanceSpec,
     instance_command,
@@ -35,6 +35,7 @@ from kvpush.launcher.state import (
     load_state,
     save_state,
 )
+from kvpush.side_channel_auth import read_secret_file
 from kvpush.topology import Topology, dump_topology
 
 _POLL_S = 0.5
@@ -54,6 +55,8 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     console = console or Console(stderr=True)
     run_dir = run_dir_of(config)
     _refuse_if_running(run_dir)
+    check_secret(config, config.addresses.side_channel_bind_host)
+    secret = read_secret(config)
     model = _resolve_model(config, console)
     specs = plan_instances(config, run_dir)
     _check_ports_free(config, specs)
@@ -63,11 +66,11 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     state = RunState(
         mode=config.mode,
         model=str(model),
-        router_url=f"http://{config.host}:{config.port}",
+        router_url=f"http://{config.addresses.advertise_host}:{config.port}",
         processes=(),
     )
     try:
-        state = _start_all(config, specs, model, run_dir, state)
+        state = _start_all(config, specs, model, run_dir, state, secret)
         _wait_ready(state, config.startup_timeout_s, console)
     except BaseException:
         _stop_processes(state.processes)
@@ -82,11 +85,12 @@ def _start_all(
     model: Path,
     run_dir: Path,
     state: RunState,
+    secret: str | None,
 ) -> RunState:
     """Spawn every instance, then the router, saving state after each."""
     records: list[ProcessRecord] = []
     for spec in specs:
-        pid = _spawn_instance(config, spec, model)
+        pid = _spawn_instance(config, spec, model, secret)
         records.append(
             ProcessRecord(
                 name=spec.name,
@@ -115,11 +119,23 @@ def _start_all(
     return state
 
 
-def _spawn_instance(config: ClusterConfig, spec: InstanceSpec, model: Path) -> int:
+def _spawn_instance(
+    config: ClusterConfig, spec: InstanceSpec, model: Path, secret: str | None
+) -> int:
     """Start one instance, pinned to its core; its process-group id."""
     cmd = instance_command(config, spec, model)
-    cpus = frozenset({spec.core})  # the whole instance, not just its OMP threads
-    return process.spawn(cmd, instance_env(config, spec), spec.log_path, cpus)
+    # The whole instance, not just its OMP threads.
+    cpus = frozenset({spec.core}) if spec.core is not None else frozenset()
+    env = instance_env(config, spec, secret)
+    return process.spawn(cmd, env, spec.log_path, cpus)
+
+
+def read_secret(settings: InstanceSettings) -> str | None:
+    """The side-channel secret from ``side_channel_secret_file``, read once
+    (None without one: an exported ``KVPUSH_SIDE_CHANNEL_SECRET`` is
+    inherited)."""
+    path = settings.side_channel_secret_file
+    return None if path is None else read_secret_file(str(path))
 
 
 def _spawn_router(config: ClusterConfig, run_dir: Path) -> int:
@@ -213,30 +229,40 @@ def _resolve_model(config: ClusterConfig, console: Console) -> Path:
                 f"--model {config.model} is not a model directory (no config.json)"
             )
         return config.model
+    return tiny_model(console)
+
+
+def tiny_model(console: Console | None = None) -> Path:
+    """The tiny model under ``$KVPUSH_HOME``, made on first use."""
     from kvpush.model import ModelSpec, default_model_dir, ensure_model
 
+    console = console or Console(stderr=True)
     target = default_model_dir(env.kvpush_home())
     with console.status(f"making the tiny model in {target} (first use only)"):
         return ensure_model(target, ModelSpec())
 
 
 def _check_ports_free(config: ClusterConfig, specs: list[InstanceSpec]) -> None:
-    ports = [("router", config.port)]
+    ports = [("router", config.host, config.port)]
     for s in specs:
         ports += [
-            (f"{s.name} HTTP", s.http_port),
-            (f"{s.name} side channel", s.side_channel_port),
+            (f"{s.name} HTTP", s.addresses.bind_host, s.http_port),
+            (
+                f"{s.name} side channel",
+                s.addresses.side_channel_bind_host,
+                s.side_channel_port,
+            ),
         ]
-    for what, port in ports:
+    for what, host, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             # As the servers themselves do: a port whose old connections
             # linger in TIME_WAIT is free to listen on.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind((config.host, port))
+                sock.bind((host, port))
             except OSError as e:
                 raise ValueError(
-                    f"port {port} ({what}) on {config.host} is in use ({e.strerror}); "
+                    f"port {port} ({what}) on {host} is in use ({e.strerror}); "
                     "choose other ports with --port / --base-http-port / "
                     "--base-side-channel-port"
                 ) from e
@@ -310,7 +336,8 @@ def restart(
     if name == "router":
         pid = _spawn_router(config, run_dir)
     else:
-        pid = _spawn_instance(config, specs[name], Path(state.model))
+        secret = read_secret(config)
+        pid = _spawn_instance(config, specs[name], Path(state.model), secret)
     new = msgspec.structs.replace(old, pid=pid)
     records = [new if p.name == name else p for p in state.processes]
     state = _with(state, records)

@@ -7,11 +7,14 @@ the field names below; flags given on the command line win over the file.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from kvpush.connector.config import check_nixl_backend
 from kvpush.settings_file import read_settings_file
+from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
 from kvpush.topology import MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,6 +39,16 @@ class ClusterConfig:
     30 and 10 s) are the deadlines of :mod:`kvpush.connector.config`.
     ``fault_injection`` gives kvpush's connectors the fault file
     ``RUN_DIR/faults.json`` (tests only; see :mod:`kvpush.connector.faults`).
+
+    Addresses (see :class:`Addresses`): ``host`` is what the router and the
+    instances bind; ``advertise_host`` what the topology names (default
+    ``host``); ``side_channel_host`` what the side channels bind (default
+    ``host``) and ``side_channel_advertise_host`` what decode connects to.
+    ``nixl_backend`` is NIXL's transport (UCX or LIBFABRIC) and
+    ``ucx_net_devices`` the NIC(s) UCX may use (``UCX_NET_DEVICES``), both
+    for kvpush and the baselines. A kvpush side channel off loopback needs
+    ``KVPUSH_SIDE_CHANNEL_SECRET`` (or ``side_channel_secret_file``) unless
+    ``insecure_side_channel``.
     """
 
     mode: str = "vllm-pull"
@@ -59,37 +72,32 @@ class ClusterConfig:
     ready_ttl_s: float | None = None
     peer_timeout_s: float | None = None
     fault_injection: bool = False
+    advertise_host: str | None = None
+    side_channel_host: str | None = None
+    side_channel_advertise_host: str | None = None
+    nixl_backend: str = "UCX"
+    ucx_net_devices: str | None = None
+    insecure_side_channel: bool = False
+    side_channel_secret_file: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(
-                f"mode must be one of {', '.join(MODES)}, not {self.mode!r}"
-            )
+        _check_mode(self.mode)
         self._check_counts()
         self._check_ports()
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}"
-            )
-        _require(self.max_model_len >= 16, "max_model_len must be at least 16")
-        _require(
-            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 16,
-            "max_num_batched_tokens must be at least 16 (or unset)",
-        )
-        _require(self.kv_cache_space_gb >= 1, "kv_cache_space_gb must be at least 1")
+        check_instance_settings(self)
         _require(self.startup_timeout_s > 0, "startup_timeout_s must be positive")
         _require(all(c >= 0 for c in self.cores), "cores must be CPU numbers >= 0")
-        _require(
-            self.kv_load_failure_policy in FAILURE_POLICIES,
-            "kv_load_failure_policy must be recompute or error, "
-            f"not {self.kv_load_failure_policy!r}",
+        _ = self.addresses  # validated when resolved
+
+    @property
+    def addresses(self) -> Addresses:
+        """The bind and advertised addresses of every instance."""
+        return Addresses.resolve(
+            self.host,
+            self.advertise_host,
+            self.side_channel_host,
+            self.side_channel_advertise_host,
         )
-        for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
-            value = getattr(self, name)
-            _require(
-                value is None or 0 < value <= 3600,
-                f"{name} must be in (0, 3600] seconds, not {value!r}",
-            )
 
     def _check_counts(self) -> None:
         if self.mode == "colocated":
@@ -128,6 +136,149 @@ class ClusterConfig:
         return 1 if self.mode == "colocated" else self.num_prefill + self.num_decode
 
 
+class InstanceSettings(Protocol):
+    """The settings every vLLM instance is built from, whether one of a
+    cluster (:class:`ClusterConfig`) or one served alone
+    (:class:`kvpush.launcher.serve.ServeConfig`)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int | None: ...
+
+    @property
+    def kv_cache_space_gb(self) -> int: ...
+
+    @property
+    def extra_vllm_args(self) -> tuple[str, ...]: ...
+
+    @property
+    def kv_load_failure_policy(self) -> str: ...
+
+    @property
+    def registration_ttl_s(self) -> float | None: ...
+
+    @property
+    def ready_ttl_s(self) -> float | None: ...
+
+    @property
+    def peer_timeout_s(self) -> float | None: ...
+
+    @property
+    def fault_injection(self) -> bool: ...
+
+    @property
+    def nixl_backend(self) -> str: ...
+
+    @property
+    def ucx_net_devices(self) -> str | None: ...
+
+    @property
+    def insecure_side_channel(self) -> bool: ...
+
+    @property
+    def side_channel_secret_file(self) -> Path | None: ...
+
+
+def check_instance_settings(s: InstanceSettings) -> None:
+    """Raise ValueError, saying what to change, unless ``s`` is valid."""
+    _check_mode(s.mode)
+    _require(
+        s.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, not {s.dtype!r}"
+    )
+    _require(s.max_model_len >= 16, "max_model_len must be at least 16")
+    _require(
+        s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 16,
+        "max_num_batched_tokens must be at least 16 (or unset)",
+    )
+    _require(s.kv_cache_space_gb >= 1, "kv_cache_space_gb must be at least 1")
+    _require(
+        s.kv_load_failure_policy in FAILURE_POLICIES,
+        "kv_load_failure_policy must be recompute or error, "
+        f"not {s.kv_load_failure_policy!r}",
+    )
+    for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
+        value = getattr(s, name)
+        _require(
+            value is None or 0 < value <= 3600,
+            f"{name} must be in (0, 3600] seconds, not {value!r}",
+        )
+    check_nixl_backend(s.nixl_backend)
+    _require(
+        s.ucx_net_devices is None or bool(s.ucx_net_devices.strip()),
+        "ucx_net_devices must name devices (e.g. mlx5_0:1 or eth0), or be unset",
+    )
+
+
+def check_secret(s: InstanceSettings, side_channel_bind_host: str) -> None:
+    """Before starting a kvpush prefill whose side channel binds
+    ``side_channel_bind_host``: refuse, in one line, to run it
+    unauthenticated off loopback. Reads the environment, never the file."""
+    if s.mode != "kvpush":
+        return
+    has_secret = (
+        bool(os.environ.get(SECRET_ENV)) or s.side_channel_secret_file is not None
+    )
+    check_side_channel_auth(side_channel_bind_host, has_secret, s.insecure_side_channel)
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where an instance listens and what others are told to connect to.
+
+    ``bind_host``: its HTTP server (and, in a cluster, the router);
+    ``advertise_host``: its URL in the topology; ``side_channel_bind_host``:
+    kvpush's side-channel listener; ``side_channel_host``: the side-channel
+    address the topology names (decode connects there; vLLM's baselines
+    bind and advertise this one address).
+    """
+
+    bind_host: str
+    advertise_host: str
+    side_channel_bind_host: str
+    side_channel_host: str
+
+    @classmethod
+    def resolve(
+        cls,
+        host: str,
+        advertise_host: str | None = None,
+        side_channel_host: str | None = None,
+        side_channel_advertise_host: str | None = None,
+    ) -> Addresses:
+        """Fill the unset addresses: the advertised host defaults to the bind
+        host, the side channel binds the HTTP bind host, and advertises its
+        own bind host when that is a real address, else the advertised host."""
+        _require(bool(host), "host must be an address to listen on, e.g. 127.0.0.1")
+        advertised = advertise_host or host
+        _require(
+            not is_wildcard(advertised),
+            f"listening on {host!r} needs --advertise-host: the address other "
+            "hosts reach this one at",
+        )
+        sc_bind = side_channel_host or host
+        sc_advertised = side_channel_advertise_host or (
+            sc_bind if side_channel_host and not is_wildcard(sc_bind) else advertised
+        )
+        _require(
+            not is_wildcard(sc_advertised),
+            f"side_channel_advertise_host {sc_advertised!r} is not an address "
+            "peers can connect to",
+        )
+        return cls(host, advertised, sc_bind, sc_advertised)
+
+
+def _check_mode(mode: str) -> None:
+    _require(mode in MODES, f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -149,7 +300,7 @@ def make_config(values: dict[str, Any]) -> ClusterConfig:
     """Build a ClusterConfig from plain values (file or flags), converting
     paths and lists; type errors become ValueErrors naming the key."""
     values = dict(values)
-    for key in ("model", "run_dir"):
+    for key in ("model", "run_dir", "side_channel_secret_file"):
         if values.get(key) is not None:
             values[key] = Path(values[key]).expanduser()
     for key in ("cores", "extra_vllm_args"):

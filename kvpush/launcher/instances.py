@@ -1,6 +1,10 @@
-"""Plan the vLLM instances of a cluster: ports, cores, command lines, env.
+"""Plan vLLM instances: ports, cores, command lines, env.
 
-Pure functions of the config: nothing here starts a process.
+Pure functions of the settings: nothing here starts a process. ``kvpush up``
+plans a whole cluster (:func:`plan_instances`); ``kvpush serve`` plans one
+instance (:meth:`kvpush.launcher.serve.ServeConfig.spec`); both build the
+command line and environment with :func:`instance_command` and
+:func:`instance_env_vars`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.launcher.config import ClusterConfig
+from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
+from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
 
 # vLLM connector class loaded into each instance, per mode. The module path
@@ -27,30 +32,38 @@ _KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """One vLLM instance to start."""
+    """One vLLM instance to start.
+
+    ``name`` is its engine id; ``addresses`` where it binds and what the
+    topology names; ``core`` the CPU it is pinned to (None: not pinned);
+    ``run_dir`` holds its log, traces and fault file (None: none of them).
+    """
 
     role: Role
-    index: int
-    host: str
+    name: str
+    addresses: Addresses
     http_port: int
     side_channel_port: int
-    core: int
-    log_path: Path
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}{self.index}"
+    core: int | None
+    run_dir: Path | None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{self.addresses.advertise_host}:{self.http_port}"
+
+    @property
+    def log_path(self) -> Path:
+        if self.run_dir is None:
+            raise ValueError(f"instance {self.name} has no run directory")
+        return self.run_dir / f"{self.name}.log"
 
     def backend(self) -> Backend:
+        """This instance as the router's topology names it."""
         return Backend(
             role=self.role,
             url=self.url,
             engine_id=self.name,
-            side_channel_host=self.host,
+            side_channel_host=self.addresses.side_channel_host,
             side_channel_port=self.side_channel_port,
         )
 
@@ -68,12 +81,12 @@ def plan_instances(config: ClusterConfig, run_dir: Path) -> list[InstanceSpec]:
     return [
         InstanceSpec(
             role=role,
-            index=index,
-            host=config.host,
+            name=f"{role}{index}",
+            addresses=config.addresses,
             http_port=config.base_http_port + i,
             side_channel_port=config.base_side_channel_port + i,
             core=cores[i % len(cores)],
-            log_path=run_dir / f"{role}{index}.log",
+            run_dir=run_dir,
         )
         for i, (role, index) in enumerate(roles)
     ]
@@ -84,12 +97,13 @@ _VLLM_POLICY = {"recompute": "recompute", "error": "fail"}
 
 
 def kv_transfer_config(
-    config: ClusterConfig, spec: InstanceSpec
+    config: InstanceSettings, spec: InstanceSpec
 ) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of an instance, None when colocated.
-    kvpush's connector also gets its side channel, a trace directory
-    (``RUN_DIR/traces``) for per-transfer timelines, any
-    deadlines set in the config, and the fault file when asked for."""
+    kvpush's connector also gets its side channel, NIXL backend, a trace
+    directory (``RUN_DIR/traces``) for per-transfer timelines, any deadlines
+    set in the config, and the fault file when asked for; the baselines get
+    the NIXL backend when it is not UCX (vLLM's ``backends``)."""
     if spec.role == "colocated":
         return None
     if config.mode not in _CONNECTORS:
@@ -104,30 +118,41 @@ def kv_transfer_config(
         "kv_load_failure_policy": _VLLM_POLICY[config.kv_load_failure_policy],
     }
     if config.mode == "kvpush":
-        run_dir = spec.log_path.parent
-        extra: dict[str, Any] = {
-            "side_channel_host": spec.host,
-            "side_channel_port": spec.side_channel_port,
-            "trace_dir": str(run_dir / "traces"),
-        }
-        for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
-            if getattr(config, name) is not None:
-                extra[name] = getattr(config, name)
-        if config.fault_injection:
-            extra["fault_file"] = str(run_dir / FAULT_FILE)
-        kv["kv_connector_extra_config"] = extra
+        kv["kv_connector_extra_config"] = _kvpush_extra(config, spec)
+    elif config.nixl_backend != "UCX":
+        kv["kv_connector_extra_config"] = {"backends": [config.nixl_backend]}
     return kv
 
 
+def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "side_channel_host": spec.addresses.side_channel_bind_host,
+        "side_channel_port": spec.side_channel_port,
+        "nixl_backend": config.nixl_backend,
+    }
+    if spec.run_dir is not None:
+        extra["trace_dir"] = str(spec.run_dir / "traces")
+    for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
+        if getattr(config, name) is not None:
+            extra[name] = getattr(config, name)
+    if config.fault_injection:
+        if spec.run_dir is None:
+            raise ValueError("fault injection needs a run directory (--run-dir)")
+        extra["fault_file"] = str(spec.run_dir / FAULT_FILE)
+    if config.insecure_side_channel:
+        extra["insecure_side_channel"] = True
+    return extra
+
+
 def instance_command(
-    config: ClusterConfig, spec: InstanceSpec, model: Path
+    config: InstanceSettings, spec: InstanceSpec, model: Path
 ) -> list[str]:
     """The command line that starts one instance's OpenAI API server."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
         "--served-model-name", model.name,
-        "--host", spec.host,
+        "--host", spec.addresses.bind_host,
         "--port", str(spec.http_port),
         "--dtype", config.dtype,
         "--max-model-len", str(config.max_model_len),
@@ -142,16 +167,33 @@ def instance_command(
     return cmd + list(config.extra_vllm_args)
 
 
-def instance_env(config: ClusterConfig, spec: InstanceSpec) -> dict[str, str]:
-    """The environment of one instance: this process's, plus its pinning,
-    KV cache size and side-channel address."""
-    env = dict(os.environ)
+def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str, str]:
+    """The variables kvpush sets for one instance (over the inherited
+    environment): its pinning, KV cache size, vLLM's side-channel address
+    (which the baselines bind and advertise), the NIC UCX may use. Never
+    the secret: see :func:`instance_env`."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gb)}
+    if spec.core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.core)
     env.update(
-        VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_space_gb),
-        VLLM_CPU_OMP_THREADS_BIND=str(spec.core),
-        VLLM_NIXL_SIDE_CHANNEL_HOST=spec.host,
+        VLLM_NIXL_SIDE_CHANNEL_HOST=spec.addresses.side_channel_host,
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_channel_port),
         PYTHONUNBUFFERED="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    if config.ucx_net_devices is not None:
+        env["UCX_NET_DEVICES"] = config.ucx_net_devices
+    return env
+
+
+def instance_env(
+    config: InstanceSettings, spec: InstanceSpec, secret: str | None = None
+) -> dict[str, str]:
+    """The whole environment of one instance: this process's, plus
+    :func:`instance_env_vars`, plus the side-channel ``secret`` when one was
+    read from a file (an inherited ``KVPUSH_SIDE_CHANNEL_SECRET`` stays)."""
+    env = dict(os.environ)
+    env.update(instance_env_vars(config, spec))
+    if secret is not None:
+        env[SECRET_ENV] = secret
     return env

@@ -54,7 +54,6 @@ class RouterConfig:
                 f"unknown router mode {self.topology.mode!r}; use one of "
                 f"{', '.join(SUPPORTED_MODES)}"
             )
-        _check_backend_urls(self.topology)
         if not self.host:
             raise ValueError("host must be a non-empty address, e.g. '127.0.0.1'")
         if not 0 <= self.port <= 65535:
@@ -92,17 +91,3 @@ def _check_positive(name: str, value: float) -> None:
 def _check_count(name: str, value: int, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a whole number >= 1 of {unit}, not {value!r}")
-
-
-def _check_backend_urls(topology: Topology) -> None:
-    engine_ids = [b.engine_id for b in topology.backends]
-    if len(set(engine_ids)) != len(engine_ids):
-        raise ValueError(
-            f"backend engine ids must be unique, got {engine_ids}; rename duplicates"
-        )
-    for backend in topology.backends:
-        if not backend.url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"backend {backend.engine_id!r} url {backend.url!r} must start "
-                "with http:// or https://"
-            )
