@@ -56,12 +56,17 @@ def _parser() -> argparse.ArgumentParser:
         "router", help="run the OpenAI-compatible router in the foreground"
     )
     router.add_argument(
-        "--topology", type=Path, required=True, help="topology JSON written by 'up'"
+        "--topology",
+        type=Path,
+        required=True,
+        help="topology JSON: written by 'up', or by hand for remote instances "
+        "(format: kvpush/topology.py)",
     )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     _add_router_health_options(router)
     router.set_defaults(func=_cmd_router)
+    _add_drain(sub)
     add_bench_parser(sub)
     add_bench_micro_parser(sub)
     soak = sub.add_parser(
@@ -91,6 +96,39 @@ def _add_router_health_options(p: argparse.ArgumentParser) -> None:
         help="attempts per request, retries on other instances included "
         "(default 2; 1 disables retries)",
     )
+
+
+def _add_drain(sub: Any) -> None:
+    p = sub.add_parser(
+        "drain",
+        help="stop routing new requests to an instance (rolling restarts)",
+    )
+    p.add_argument("name", help="the instance's engine id (kvpush status)")
+    p.add_argument(
+        "--router",
+        default="http://127.0.0.1:8000",
+        help="the router's URL (default http://127.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until no request is in flight on it",
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=600.0, help="--wait deadline (600)"
+    )
+    p.add_argument(
+        "--undrain", action="store_true", help="route new requests to it again"
+    )
+    p.set_defaults(func=_cmd_drain)
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from kvpush.router.admin_client import drain
+
+    wait_s = args.timeout_s if args.wait else None
+    drain(args.router, args.name, undrain=args.undrain, wait_s=wait_s)
+    return 0
 
 
 def _add_make_model(sub: Any) -> None:

@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router import connector_stats
+from kvpush.router.admin import add_admin_routes
 from kvpush.router.config import RouterConfig
 from kvpush.router.context import FlowContext
 from kvpush.router.dispatch import serve
@@ -88,6 +89,7 @@ def build_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    add_admin_routes(app, lambda request: request.app[STATE].health.board)
     return app
 
 
@@ -270,7 +272,7 @@ async def _report(state: RouterState, backend: Backend) -> dict[str, Any]:
         "role": backend.role,
         "url": backend.url,
         "healthy": result.is_ok,
-        "routed": state.health.board.is_healthy(backend.engine_id),
+        "routed": state.health.board.is_routable(backend.engine_id),
         "status": result.status,
         "error": result.error,
     }

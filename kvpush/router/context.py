@@ -89,6 +89,7 @@ class FlowContext:
     is_ttft_recorded: bool = False
     prefill_answered_at: float | None = None  # monotonic; for the handover metric
     first_byte_at: float | None = None  # decode's first byte/SSE event
+    held: list[str] = field(default_factory=list)  # in flight on, per the board
 
     def __post_init__(self) -> None:
         self.attempts = Attempts(max_attempts=self.config.max_attempts)
@@ -120,11 +121,21 @@ class FlowContext:
             self.attempts.avoided,
         )
         self.attempts.picked.append(backend)
+        self.health.board.begin(backend.engine_id)
+        self.held.append(backend.engine_id)
         return backend
+
+    def release(self) -> None:
+        """This attempt is done with the backends it picked (after its legs
+        were aborted): they no longer count it in flight. Idempotent."""
+        for engine_id in self.held:
+            self.health.board.end(engine_id)
+        self.held.clear()
 
     async def next_attempt(self, err: RouterError) -> None:
         """Abort this attempt's legs; the next one gets fresh legs and avoids
         the instances ``err`` is blamed on."""
         await self.legs.abort()
+        self.release()
         self.legs = Legs()
         self.attempts.start_next(err)

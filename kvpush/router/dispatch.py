@@ -59,7 +59,10 @@ async def serve(ctx: FlowContext) -> web.StreamResponse:
         ctx.metrics.request_finished(ctx.parsed.endpoint, status, elapsed)
         # A client that hangs up right after the last byte cancels this
         # handler; the legs must still be closed (vLLM frees on close).
-        await asyncio.shield(ctx.legs.abort())
+        try:
+            await asyncio.shield(ctx.legs.abort())
+        finally:
+            ctx.release()
 
 
 async def _run_flow(ctx: FlowContext, flow: Flow) -> tuple[web.StreamResponse, str]:

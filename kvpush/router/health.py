@@ -1,8 +1,10 @@
-"""Which backends the router believes are up: a pure record of evidence.
+"""Which backends the router may route to: a pure record of evidence.
 
 :class:`HealthBoard` is told about probe results (by the probing loop in
-``monitor.py``) and about legs that could not connect (by ``legs.py``, through
-the monitor); the selection in ``selection.py`` reads it. It does no I/O,
+``monitor.py``), about legs that could not connect (by ``legs.py``, through
+the monitor), about the operator's drains (``admin.py``) and about the
+requests each backend is serving (``context.py``); the selection in
+``selection.py`` reads it. It does no I/O,
 keeps no clock and runs on the router's event loop only, so it needs no locks.
 Each method that changes an instance's state returns the :class:`Transition`
 (else None), so the caller can log and count each transition exactly once.
@@ -41,10 +43,42 @@ class HealthBoard:
         self._backends = {b.engine_id: b for b in backends}
         self._num_failures = dict.fromkeys(self._backends, 0)
         self._is_healthy = dict.fromkeys(self._backends, True)
+        self._num_in_flight = dict.fromkeys(self._backends, 0)
+        self._drained: set[str] = set()
 
     def is_healthy(self, engine_id: str) -> bool:
         """True for a healthy instance; an unknown engine id is never healthy."""
         return self._is_healthy.get(engine_id, False)
+
+    def is_routable(self, engine_id: str) -> bool:
+        """Whether a new request may go to ``engine_id``: healthy, not drained."""
+        return self.is_healthy(engine_id) and engine_id not in self._drained
+
+    def is_drained(self, engine_id: str) -> bool:
+        return engine_id in self._drained
+
+    def set_drained(self, engine_id: str, is_drained: bool) -> None:
+        """Drain (no new requests; those in flight finish) or undrain
+        ``engine_id``; KeyError for an unknown one."""
+        if engine_id not in self._backends:
+            raise KeyError(engine_id)
+        if is_drained:
+            self._drained.add(engine_id)
+        else:
+            self._drained.discard(engine_id)
+
+    def num_in_flight(self, engine_id: str) -> int:
+        """Requests in flight that picked ``engine_id`` for one of their legs."""
+        return self._num_in_flight[engine_id]
+
+    def begin(self, engine_id: str) -> None:
+        """A request picked ``engine_id``; :meth:`end` once it is done with it."""
+        self._num_in_flight[engine_id] += 1
+
+    def end(self, engine_id: str) -> None:
+        if self._num_in_flight[engine_id] < 1:
+            raise RuntimeError(f"{engine_id}: more requests ended than began")
+        self._num_in_flight[engine_id] -= 1
 
     def num_failures(self, engine_id: str) -> int:
         """Consecutive failed probes (or connect failures) of an instance."""

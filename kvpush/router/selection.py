@@ -1,14 +1,15 @@
 """Which backend serves each leg of a request.
 
 The flows in ``dispatch.py`` call :func:`choose`, which narrows a role's
-backends to the usable ones (healthy on the :class:`HealthBoard`, and not
-blamed for an earlier failed attempt of the same request), answers 503 when
-none is left, and lets the router's one :class:`Selector` pick among the
-rest: a P/D flow picks a prefill and a decode (vLLM pull picks decode only
-after prefill answered, push picks both up front); colocated mode picks with
-:meth:`Selector.pick_decode` over the colocated backends, since a colocated
-backend is the one that decodes. Everything here is pure and runs on the
-router's event loop only, so it needs no locks and must not block.
+backends to the usable ones (healthy and not drained on the
+:class:`HealthBoard`, and not blamed for an earlier failed attempt of the
+same request), answers 503 when none is left, and lets the router's one
+:class:`Selector` pick among the rest: a P/D flow picks a prefill and a
+decode (vLLM pull picks decode only after prefill answered, push picks both
+up front); colocated mode picks with :meth:`Selector.pick_decode` over the
+colocated backends, since a colocated backend is the one that decodes.
+Everything here is pure and runs on the router's event loop only, so it
+needs no locks and must not block.
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ def _nth(candidates: Sequence[Backend], n: int, role: str) -> Backend:
 def usable(
     candidates: Sequence[Backend], health: HealthBoard, avoided: Collection[str]
 ) -> tuple[Backend, ...]:
-    """The healthy candidates whose engine id is not in ``avoided``, in order."""
+    """The routable (healthy, not drained) candidates whose engine id is
+    not in ``avoided``, in order."""
     return tuple(
         b
         for b in candidates
-        if health.is_healthy(b.engine_id) and b.engine_id not in avoided
+        if health.is_routable(b.engine_id) and b.engine_id not in avoided
     )
 
 
