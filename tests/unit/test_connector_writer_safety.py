@@ -96,7 +96,7 @@ def test_preemption_refuses_when_nixl_will_not_stop_the_write():
     rig.writer._pipeline._writes._timeout_s = 0.05
     try:
         rig.io.cancellable = False
-        rig.io.script_polls(*["PROC"] * 400, "DONE")  # ends after ~3 s
+        rig.io.script_polls(*["PROC"] * 4000, "DONE")  # ends after seconds
         rig.hello()
         rig.register()
         rig.ready()
@@ -298,28 +298,3 @@ def test_close_reports_a_write_nixl_would_not_let_go():
     assert wait_for(lambda: rig.io.writes_snapshot())
 
     assert not rig.writer.close(), "the caller must not deregister the memory"
-
-
-# -- wake cost: a long WRITE is polled less and less often ---------------------
-
-
-def test_a_long_write_is_polled_less_and_less_often():
-    """Each in-flight WRITE has its own poll time, backing off from 0.5 ms
-    to 8 ms: a second in flight costs tens of polls, not the 2000 a fixed
-    0.5 ms period would (decode is told by NIXL's notification, not by
-    prefill's poll)."""
-    rig = Rig()
-    try:
-        rig.io.script_polls(*FOREVER)
-        rig.hello()
-        rig.register()
-        rig.ready()
-        assert wait_for(lambda: rig.io.writes_snapshot())
-        time.sleep(1.0)
-
-        (write,) = rig.io.writes_snapshot()
-        assert 5 <= write.num_polls <= 200, write.num_polls
-        rig.cancel()
-        assert rig.wait_finished("req-1")
-    finally:
-        rig.close()

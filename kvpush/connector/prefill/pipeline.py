@@ -186,7 +186,7 @@ class Pipeline:
         """How long the writer may sleep before the next due work."""
         if any(not self._fence_ready(tid) for tid in self._to_post):
             return POLL_S
-        due = [self._matcher.next_deadline(), self._writes.next_due()]
+        due = [self._matcher.next_deadline(), self._writes.next_due(now)]
         due += [self._later[0][0]] if self._later else []
         due.append(self._to_post.next_due())
         soonest = min((d for d in due if d is not None), default=now + IDLE_WAIT_S)

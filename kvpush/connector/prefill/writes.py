@@ -17,21 +17,17 @@ release is tried again every :data:`RETRY_S`, at most
 *stuck*: it is still polled (it may yet end), never cancelled again, and
 counted. Nothing here raises out of a poll or a release.
 
-Polling costs what is due: each WRITE has its own next poll time, polled
-every :data:`POLL_MIN_S` at first and then less often, doubling up to
-:data:`POLL_MAX_S` (decode learns of the data from NIXL's own notification;
-prefill's poll only frees prefill's blocks and answers cancels, so a late
-poll costs nothing on the critical path). A heap of due times means a wake
-touches only the WRITEs that are due, and a wake also takes those due
-within :data:`POLL_SLACK_S`, so that WRITEs in flight together are polled in
-the same wakes rather than each in its own.
+Every WRITE in flight is polled on every writer tick, every
+:data:`POLL_S` while any is in flight: NIXL's progress thread is off, so
+these polls are what moves the transfer along and sends its Done
+notification (a back-off to 8 ms was tried: handover p50 grew from 4.9 to
+6.4 ms in ``kvpush bench``, as Done waited for prefill's next poll). The
+cost, per WRITE in flight, is in ``BENCHMARKS.md`` ("Micro-benchmarks").
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,9 +44,7 @@ from kvpush.transfer.work import WorkItem
 logger = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # between two tries to release a handle
-POLL_MIN_S = 0.0005  # first poll of a WRITE, and the gap between early polls
-POLL_MAX_S = 0.008  # the gap between polls of a long WRITE
-POLL_SLACK_S = 0.002  # a wake also polls WRITEs due this much later
+POLL_S = 0.0005  # the writer's tick while a WRITE is in flight
 MAX_RELEASE_TRIES = 3  # cancels of a running WRITE before it counts as stuck
 
 
@@ -74,15 +68,6 @@ class InFlight:
     release_tries: int = 0
     next_try: float = 0.0
     stuck: bool = False
-    poll_gap: float = POLL_MIN_S
-    due: float = 0.0  # when it next needs attention (its heap entry's key)
-
-    def next_due(self, now: float) -> float:
-        """The next poll, release retry or deadline, whichever comes first."""
-        due = now + self.poll_gap
-        if self.failed or self.cancel_cause is not None:
-            return min(due, max(self.next_try, now)) if not self.stuck else due
-        return min(due, max(self.deadline, now))
 
 
 class Writes:
@@ -100,8 +85,6 @@ class Writes:
         self._counters = counters
         self._timeout_s = timeout_s
         self._inflight: dict[str, InFlight] = {}
-        self._due: list[tuple[float, int, str]] = []  # (due, seq, transfer id)
-        self._seq = itertools.count()
 
     def post(self, item: WorkItem, peer: DecodePeer, engine: str, now: float) -> None:
         """One WRITE for one work item (a block range x a layer range); the
@@ -121,7 +104,6 @@ class Writes:
         handle = self._io.write(src, dst, peer.agent_name, notif)
         flight = InFlight(handle, item.transfer_id, engine, now + self._timeout_s)
         self._inflight[item.transfer_id] = flight
-        self._schedule(flight, now + POLL_MIN_S)
         num_bytes = item.num_blocks * self._io.layout.block_bytes
         num_bytes *= len(item.layers) * self._io.layout.regions_per_layer
         self._tracer.mark(
@@ -145,24 +127,17 @@ class Writes:
             flight.cancel_route = route
         if flight.cancel_cause is None:
             flight.cancel_cause, flight.next_try = cause, now
-            self._schedule(flight, now)
 
-    def next_due(self) -> float | None:
-        """When the earliest WRITE needs attention (None: none in flight)."""
-        while self._due:
-            due, _, tid = self._due[0]
-            flight = self._inflight.get(tid)
-            if flight is not None and flight.due == due:
-                return due
-            heapq.heappop(self._due)  # stale: rescheduled or ended
-        return None
+    def next_due(self, now: float) -> float | None:
+        """When the writer must tick again for these WRITEs (None: none)."""
+        return now + POLL_S if self._inflight else None
 
     def poll(self, now: float) -> list[tuple[InFlight, Outcome]]:
-        """The WRITEs that ended since the last call, each once, among those
-        due. Also cancels those past their deadline and retries releases
-        that NIXL refused."""
+        """The WRITEs that ended since the last call, each once (every WRITE
+        in flight is polled). Also cancels those past their deadline and
+        retries releases that NIXL refused."""
         ended = []
-        for flight in self._take_due(now):
+        for flight in list(self._inflight.values()):
             overdue = now > flight.deadline and flight.cancel_cause is None
             if overdue and not flight.failed:
                 self._counters.add("expired.write")
@@ -178,21 +153,7 @@ class Writes:
             if outcome is not None:
                 del self._inflight[flight.transfer_id]
                 ended.append((flight, outcome))
-                continue
-            flight.poll_gap = min(2 * flight.poll_gap, POLL_MAX_S)
-            self._schedule(flight, flight.next_due(now))
         return ended
-
-    def _take_due(self, now: float) -> list[InFlight]:
-        out = []
-        while (due := self.next_due()) is not None and due <= now + POLL_SLACK_S:
-            _, _, tid = heapq.heappop(self._due)
-            out.append(self._inflight[tid])
-        return out
-
-    def _schedule(self, flight: InFlight, due: float) -> None:
-        flight.due = due
-        heapq.heappush(self._due, (due, next(self._seq), flight.transfer_id))
 
     def _step(self, flight: InFlight, now: float) -> Outcome | None:
         if not flight.failed:
@@ -241,6 +202,4 @@ class Writes:
                 del self._inflight[tid]
             else:
                 kept += 1
-        self._due = [e for e in self._due if e[2] in self._inflight]
-        heapq.heapify(self._due)
         return kept
