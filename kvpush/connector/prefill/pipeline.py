@@ -2,7 +2,7 @@
 (a Registration or the finished KV) to prefill's final word on it.
 
 Owned by the writer thread (:mod:`kvpush.connector.prefill.writer`), which
-feeds it events and calls :meth:`Pipeline.tick`; no locks, no waits. A
+feeds it events and runs :attr:`Pipeline.steps` on each tick; no locks, no waits. A
 transfer is in exactly one phase here:
 
 1. *half*: one half waits in the :class:`~kvpush.transfer.matcher.Matcher`
@@ -177,10 +177,6 @@ class Pipeline:
     def steps(self) -> tuple[Callable[[float], None], ...]:
         """What each tick runs, in order (each guarded on its own)."""
         return (self._admit_due, self._post_due, self._poll, self._expire)
-
-    def tick(self, now: float) -> None:
-        for step in self.steps:
-            step(now)
 
     def wait_s(self, now: float) -> float:
         """How long the writer may sleep before the next due work."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,9 +186,6 @@ class Writes:
 
     def get(self, transfer_id: str) -> InFlight | None:
         return self._inflight.get(transfer_id)
-
-    def __iter__(self) -> Iterator[InFlight]:
-        return iter(list(self._inflight.values()))
 
     def __len__(self) -> int:
         return len(self._inflight)
