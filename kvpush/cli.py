@@ -13,6 +13,7 @@ from kvpush import env
 from kvpush.bench.cli import add_parser as add_bench_parser
 from kvpush.bench.micro.cli import add_parser as add_bench_micro_parser
 from kvpush.launcher.cli import INSTANCE_KEYS, add_instance_options, add_serve_parser
+from kvpush.launcher.config import HOSTS
 from kvpush.topology import MODES
 
 
@@ -163,6 +164,17 @@ def _add_up(sub: Any) -> None:
         help="first NIXL side-channel port (default 5600)",
     )
     p.add_argument("--startup-timeout-s", type=float)
+    p.add_argument(
+        "--hosts",
+        choices=HOSTS,
+        help="local (default), or netns: rehearse several hosts on this "
+        "machine, each instance in its own network namespace (root only)",
+    )
+    p.add_argument(
+        "--link-gbit",
+        type=float,
+        help="with --hosts netns: shape each host's egress to this rate (tbf)",
+    )
     add_instance_options(p)
     p.set_defaults(func=_cmd_up)
 
@@ -186,7 +198,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
-    "base_side_channel_port", "startup_timeout_s", *INSTANCE_KEYS,
+    "base_side_channel_port", "startup_timeout_s", "hosts", "link_gbit",
+    *INSTANCE_KEYS,
 )  # fmt: skip
 
 
@@ -239,8 +252,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         side = p["side_channel_port"] if p["side_channel_port"] is not None else "-"
         alive = "up" if p["alive"] else "DOWN"
         print(
-            f"  {p['name']:<10} {p['role']:<9} {p['url']:<24} side {side!s:<6} "
-            f"pid {p['pid']:<7} {alive:<4} {p['log_path']}"
+            f"  {p['name']:<10} {p['role']:<9} {p['url']:<26} side {side!s:<6} "
+            f"host {p['host']:<22} pid {p['pid']:<7} {alive:<4} {p['log_path']}"
         )
     return 0
 

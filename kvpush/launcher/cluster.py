@@ -8,6 +8,7 @@ what it started in the run directory, and returns once all answer
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import sys
 import time
@@ -19,12 +20,13 @@ import msgspec
 from rich.console import Console
 
 from kvpush import env
-from kvpush.launcher import process
+from kvpush.launcher import netns, process
 from kvpush.launcher.config import ClusterConfig, InstanceSettings, check_secret
 from kvpush.launcher.instances import (
     InstanceSpec,
     instance_command,
     instance_env,
+    instance_names,
     plan_instances,
 )
 from kvpush.launcher.state import (
@@ -35,7 +37,7 @@ from kvpush.launcher.state import (
     load_state,
     save_state,
 )
-from kvpush.side_channel_auth import read_secret_file
+from kvpush.side_channel_auth import SECRET_ENV, read_secret_file
 from kvpush.topology import Topology, dump_topology
 
 _POLL_S = 0.5
@@ -55,11 +57,13 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     console = console or Console(stderr=True)
     run_dir = run_dir_of(config)
     _refuse_if_running(run_dir)
-    check_secret(config, config.addresses.side_channel_bind_host)
-    secret = read_secret(config)
+    network = _plan_network(config, run_dir)
+    if network is None:
+        check_secret(config, config.addresses.side_channel_bind_host)
+    secret = cluster_secret(config, run_dir)
     model = _resolve_model(config, console)
-    specs = plan_instances(config, run_dir)
-    _check_ports_free(config, specs)
+    specs = plan_instances(config, run_dir, network)
+    _check_ports_free(config, [] if network else specs)
     run_dir.mkdir(parents=True, exist_ok=True)
     topology = Topology(mode=config.mode, backends=tuple(s.backend() for s in specs))  # type: ignore[arg-type]
     dump_topology(topology, run_dir / TOPOLOGY_FILE)
@@ -68,15 +72,63 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
         model=str(model),
         router_url=f"http://{config.addresses.advertise_host}:{config.port}",
         processes=(),
+        network=network,
     )
     try:
+        if network is not None:
+            save_state(state, run_dir)  # before anything exists: down finds it
+            netns.create(network)
         state = _start_all(config, specs, model, run_dir, state, secret)
         _wait_ready(state, config.startup_timeout_s, console)
     except BaseException:
         _stop_processes(state.processes)
+        if network is not None:
+            netns.destroy(network)
         clear_state(run_dir)
         raise
     return state
+
+
+def _plan_network(config: ClusterConfig, run_dir: Path) -> netns.NetPlan | None:
+    """The rehearsal hosts of ``--hosts netns`` (None for local), after
+    removing whatever a crashed cluster of this run directory left."""
+    if config.hosts != "netns":
+        return None
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        raise LaunchError(reason)
+    netns.cleanup_tag(netns.run_dir_tag(run_dir))
+    names = [name for _, name in instance_names(config)]
+    return netns.plan_network(
+        run_dir, names, netns.free_subnet_index(), config.link_gbit
+    )
+
+
+REHEARSAL_SECRET = "side-channel.secret"  # in the run dir, --hosts netns only
+
+
+def cluster_secret(config: ClusterConfig, run_dir: Path) -> str | None:
+    """The side-channel secret the instances get (None: none, or an
+    inherited ``KVPUSH_SIDE_CHANNEL_SECRET``): the secret file's, else, for
+    a kvpush rehearsal off loopback (``--hosts netns``), one made for this
+    run directory (``RUN_DIR/side-channel.secret``, mode 0600), so that the
+    rehearsal runs authenticated like a real deployment."""
+    secret = read_secret(config)
+    if (
+        secret is not None
+        or config.hosts != "netns"
+        or config.mode != "kvpush"
+        or config.insecure_side_channel
+        or os.environ.get(SECRET_ENV)
+    ):
+        return secret
+    path = run_dir / REHEARSAL_SECRET
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return read_secret_file(str(path))
 
 
 def _start_all(
@@ -90,7 +142,8 @@ def _start_all(
     """Spawn every instance, then the router, saving state after each."""
     records: list[ProcessRecord] = []
     for spec in specs:
-        pid = _spawn_instance(config, spec, model, secret)
+        host = _host_of(state, spec.name)
+        pid = _spawn_instance(config, spec, model, secret, host)
         records.append(
             ProcessRecord(
                 name=spec.name,
@@ -100,6 +153,7 @@ def _start_all(
                 log_path=str(spec.log_path),
                 side_channel_port=spec.side_channel_port,
                 core=spec.core,
+                host=host.namespace if host else None,
             )
         )
         state = _with(state, records)
@@ -119,11 +173,22 @@ def _start_all(
     return state
 
 
+def _host_of(state: RunState, name: str) -> netns.HostNet | None:
+    return None if state.network is None else state.network.host(name)
+
+
 def _spawn_instance(
-    config: ClusterConfig, spec: InstanceSpec, model: Path, secret: str | None
+    config: ClusterConfig,
+    spec: InstanceSpec,
+    model: Path,
+    secret: str | None,
+    host: netns.HostNet | None,
 ) -> int:
-    """Start one instance, pinned to its core; its process-group id."""
+    """Start one instance, pinned to its core (on its rehearsal ``host``
+    when there is one); its process-group id."""
     cmd = instance_command(config, spec, model)
+    if host is not None:
+        cmd = netns.exec_prefix(host) + cmd
     # The whole instance, not just its OMP threads.
     cpus = frozenset({spec.core}) if spec.core is not None else frozenset()
     env = instance_env(config, spec, secret)
@@ -211,6 +276,8 @@ def _healthy(url: str) -> bool:
 
 
 def _refuse_if_running(run_dir: Path) -> None:
+    """Refuse while a cluster runs from ``run_dir``; clear what a dead one
+    left (its state, its rehearsal hosts)."""
     state = load_state(run_dir)
     if state is None:
         return
@@ -219,6 +286,8 @@ def _refuse_if_running(run_dir: Path) -> None:
             f"a cluster is already running from {run_dir}; stop it with "
             f"'kvpush down --run-dir {run_dir}' or choose another --run-dir"
         )
+    if state.network is not None:
+        netns.destroy(state.network)
     clear_state(run_dir)
 
 
@@ -285,6 +354,8 @@ def down(run_dir: Path) -> list[str]:
     survivors = _stop_processes(state.processes)
     if survivors:
         raise RuntimeError(f"could not stop {', '.join(survivors)}; see {run_dir}")
+    if state.network is not None:
+        netns.destroy(state.network)
     clear_state(run_dir)
     return [p.name for p in state.processes]
 
@@ -306,6 +377,7 @@ def status(run_dir: Path) -> dict[str, object] | None:
                 "url": p.url,
                 "side_channel_port": p.side_channel_port,
                 "core": p.core,
+                "host": p.host or "local",
                 "pid": p.pid,
                 "alive": process.is_alive(p.pid),
                 "log_path": p.log_path,
@@ -327,7 +399,7 @@ def restart(
     state = load_state(run_dir)
     if state is None:
         raise ValueError(f"no cluster runs from {run_dir}")
-    specs = {s.name: s for s in plan_instances(config, run_dir)}
+    specs = {s.name: s for s in plan_instances(config, run_dir, state.network)}
     old = next((p for p in state.processes if p.name == name), None)
     if old is None or (name not in specs and name != "router"):
         raise ValueError(f"{name!r} is not a process of the cluster in {run_dir}")
@@ -336,8 +408,9 @@ def restart(
     if name == "router":
         pid = _spawn_router(config, run_dir)
     else:
-        secret = read_secret(config)
-        pid = _spawn_instance(config, specs[name], Path(state.model), secret)
+        secret = cluster_secret(config, run_dir)
+        host = _host_of(state, name)
+        pid = _spawn_instance(config, specs[name], Path(state.model), secret, host)
     new = msgspec.structs.replace(old, pid=pid)
     records = [new if p.name == name else p for p in state.processes]
     state = _with(state, records)

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvpush.connector.config import check_nixl_backend
+from kvpush.launcher.netns import MAX_LINK_GBIT
 from kvpush.settings_file import read_settings_file
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
 from kvpush.topology import MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
+HOSTS = ("local", "netns")
 FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
 
@@ -49,6 +51,12 @@ class ClusterConfig:
     for kvpush and the baselines. A kvpush side channel off loopback needs
     ``KVPUSH_SIDE_CHANNEL_SECRET`` (or ``side_channel_secret_file``) unless
     ``insecure_side_channel``.
+
+    ``hosts``: ``local`` runs every instance here, on ``host``; ``netns``
+    rehearses several hosts on this machine, each instance in its own
+    network namespace with its own address (see
+    :mod:`kvpush.launcher.netns`), its egress shaped to ``link_gbit`` Gbit/s
+    when that is set. The router stays on ``host``.
     """
 
     mode: str = "vllm-pull"
@@ -79,11 +87,14 @@ class ClusterConfig:
     ucx_net_devices: str | None = None
     insecure_side_channel: bool = False
     side_channel_secret_file: Path | None = None
+    hosts: str = "local"
+    link_gbit: float | None = None
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
         self._check_counts()
         self._check_ports()
+        self._check_hosts()
         check_instance_settings(self)
         _require(self.startup_timeout_s > 0, "startup_timeout_s must be positive")
         _require(all(c >= 0 for c in self.cores), "cores must be CPU numbers >= 0")
@@ -129,6 +140,35 @@ class ClusterConfig:
         _require(
             self.port not in http | side,
             f"router port {self.port} collides with an instance port; change --port",
+        )
+
+    def _check_hosts(self) -> None:
+        _require(
+            self.hosts in HOSTS,
+            f"hosts must be one of {', '.join(HOSTS)}, not {self.hosts!r}",
+        )
+        if self.hosts == "local":
+            _require(
+                self.link_gbit is None, "--link-gbit shapes links of --hosts netns"
+            )
+            return
+        given = [
+            name
+            for name in (
+                "advertise_host",
+                "side_channel_host",
+                "side_channel_advertise_host",
+            )
+            if getattr(self, name) is not None
+        ]
+        _require(
+            not given,
+            f"--hosts netns gives every instance its own address; drop {given}",
+        )
+        _require(
+            self.link_gbit is None or 0 < self.link_gbit <= MAX_LINK_GBIT,
+            f"link_gbit must be in (0, {MAX_LINK_GBIT:g}] Gbit/s, "
+            f"not {self.link_gbit!r}",
         )
 
     @property

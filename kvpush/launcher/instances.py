@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
+from kvpush.launcher.netns import NetPlan
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
 
@@ -68,28 +69,40 @@ class InstanceSpec:
         )
 
 
-def plan_instances(config: ClusterConfig, run_dir: Path) -> list[InstanceSpec]:
-    """Every instance of the cluster, prefills first, each with its own
-    ports, core and log file."""
-    roles: list[tuple[Role, int]]
+def instance_names(config: ClusterConfig) -> list[tuple[Role, str]]:
+    """Each instance's role and name (its engine id), prefills first."""
     if config.mode == "colocated":
-        roles = [("colocated", 0)]
-    else:
-        roles = [("prefill", i) for i in range(config.num_prefill)]
-        roles += [("decode", i) for i in range(config.num_decode)]
-    cores = config.cores or tuple(sorted(os.sched_getaffinity(0)))
-    return [
-        InstanceSpec(
-            role=role,
-            name=f"{role}{index}",
-            addresses=config.addresses,
-            http_port=config.base_http_port + i,
-            side_channel_port=config.base_side_channel_port + i,
-            core=cores[i % len(cores)],
-            run_dir=run_dir,
-        )
-        for i, (role, index) in enumerate(roles)
+        return [("colocated", "colocated0")]
+    names: list[tuple[Role, str]] = [
+        ("prefill", f"prefill{i}") for i in range(config.num_prefill)
     ]
+    return names + [("decode", f"decode{i}") for i in range(config.num_decode)]
+
+
+def plan_instances(
+    config: ClusterConfig, run_dir: Path, network: NetPlan | None = None
+) -> list[InstanceSpec]:
+    """Every instance of the cluster, prefills first, each with its own
+    ports, core and log file; on ``network``'s hosts, each at its host's
+    address (bound and advertised alike), else at ``config``'s."""
+    cores = config.cores or tuple(sorted(os.sched_getaffinity(0)))
+    specs = []
+    for i, (role, name) in enumerate(instance_names(config)):
+        addresses = config.addresses
+        if network is not None:
+            addresses = Addresses.resolve(network.host(name).address)
+        specs.append(
+            InstanceSpec(
+                role=role,
+                name=name,
+                addresses=addresses,
+                http_port=config.base_http_port + i,
+                side_channel_port=config.base_side_channel_port + i,
+                core=cores[i % len(cores)],
+                run_dir=run_dir,
+            )
+        )
+    return specs
 
 
 FAULT_FILE = "faults.json"  # in the run dir, with fault_injection

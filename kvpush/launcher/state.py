@@ -7,6 +7,8 @@ from pathlib import Path
 
 import msgspec
 
+from kvpush.launcher.netns import NetPlan
+
 STATE_FILE = "state.json"
 TOPOLOGY_FILE = "topology.json"
 
@@ -21,6 +23,7 @@ class ProcessRecord(msgspec.Struct, frozen=True, kw_only=True):
     log_path: str
     side_channel_port: int | None = None
     core: int | None = None
+    host: str | None = None  # its network namespace (None: this host's)
 
 
 class RunState(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +33,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     router_url: str
     processes: tuple[ProcessRecord, ...]
+    network: NetPlan | None = None  # the rehearsal hosts (--hosts netns)
 
 
 def state_path(run_dir: Path) -> Path:
