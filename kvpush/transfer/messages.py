@@ -8,12 +8,15 @@ Two channels carry these messages, both through :func:`encode` and
   per prefill peer (again after the connection was lost, or when prefill
   asks with :class:`HelloRequest`), then a :class:`Registration` per
   transfer (from decode's scheduler), :class:`Cancel` when it gives one up,
-  and a :class:`Heartbeat` every second while it waits on that prefill;
+  a :class:`Heartbeat` every second while it waits on that prefill, and
+  a :class:`Reconcile` after the HelloReply that follows a reconnect;
   prefill answers a Hello with :class:`HelloReply`, a Registration from a
   decode boot it does not know with :class:`HelloRequest`, tells decode
   about transfers it will not complete with :class:`Failure` (on the socket
   the Registration came from), and answers every Cancel with a ``Failure``
-  once it is sure it will not write (after an in-flight WRITE has ended);
+  once it is sure it will not write (after an in-flight WRITE has ended),
+  and every id of a Reconcile it no longer holds with its final word (a
+  ``Failure``, or a :class:`Done` for a WRITE that completed);
 * the **NIXL notification** posted with the last WRITE of a transfer carries a
   :class:`Done`, so decode learns the data landed with no extra message.
 
@@ -39,10 +42,11 @@ import msgspec
 
 from kvpush.transfer.layout import KvLayout
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: Reconcile; Done also on the side channel
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
+MAX_IDS_PER_MESSAGE = 4096  # transfer ids in one Reconcile (~0.5 MiB at most)
 MAX_TTL_S = 3600.0
 
 TransferId = Annotated[
@@ -191,9 +195,38 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     boot_id: Name
 
 
+class Reconcile(msgspec.Struct, frozen=True, tag="reconcile"):
+    """Decode → prefill, on decode's worker socket right after the
+    HelloReply that follows a lost connection: the transfers decode still
+    waits on from this prefill (``boot_id`` is decode's). Messages prefill
+    sent while the connection was down are lost (its ROUTER drops them), so
+    prefill answers every id it no longer holds (not waiting to match, to
+    post, or in flight) with its final word, on this socket: the
+    :class:`Failure` it sent, a :class:`Done` if that transfer's WRITE
+    completed, else ``Failure(peer_lost)``; and it closes each such id for
+    good (a Registration that comes later under it is refused). Ids it
+    still holds carry on; their final word comes on this socket. Decode
+    frees blocks only on those answers (see ``docs/architecture.md``, "The
+    timing rule"). More ids than :data:`MAX_IDS_PER_MESSAGE` go in several
+    messages."""
+
+    engine_id: Name
+    boot_id: Name
+    transfer_ids: Annotated[
+        tuple[TransferId, ...],
+        msgspec.Meta(min_length=1, max_length=MAX_IDS_PER_MESSAGE),
+    ]
+
+    def __post_init__(self) -> None:
+        if len(set(self.transfer_ids)) != len(self.transfer_ids):
+            raise ValueError("transfer_ids must not repeat an id")
+
+
 class Done(msgspec.Struct, frozen=True, tag="done"):
     """Prefill → decode, as the NIXL notification of a transfer's last WRITE:
-    all ``num_blocks`` registered blocks hold the prompt's KV."""
+    all ``num_blocks`` registered blocks hold the prompt's KV. Also sent on
+    the side channel in answer to a :class:`Reconcile`, for a WRITE NIXL
+    reported complete (NIXL's DONE: the data landed)."""
 
     transfer_id: TransferId
     engine_id: Name
@@ -208,6 +241,7 @@ Message = (
     | Cancel
     | Failure
     | Heartbeat
+    | Reconcile
     | Done
 )
 MESSAGE_TYPES: tuple[type, ...] = (
@@ -218,6 +252,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Cancel,
     Failure,
     Heartbeat,
+    Reconcile,
     Done,
 )
 _TAGS = frozenset(

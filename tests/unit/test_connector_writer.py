@@ -34,6 +34,7 @@ from kvpush.transfer.messages import (
     Hello,
     HelloReply,
     Message,
+    Reconcile,
     Registration,
 )
 from tests.fakes.fake_nixl import FakeNixlIO, leftovers, wait_for
@@ -136,6 +137,7 @@ class Rig:
         tid: str = "t1",
         ttl_s: float = 10.0,
         boot_id: str = BOOT,
+        route: bytes = DECODE_ROUTE,
     ) -> None:
         reg = Registration(
             transfer_id=tid,
@@ -146,7 +148,7 @@ class Rig:
             ttl_s=ttl_s,
             first_block=first_block,
         )
-        self.writer.on_message(DECODE_ROUTE, reg)
+        self.writer.on_message(route, reg)
 
     def ready(
         self,
@@ -169,6 +171,12 @@ class Rig:
         self.writer.on_message(
             route, Cancel(transfer_id=tid, engine_id=DECODE, reason="aborted")
         )
+
+    def reconcile(
+        self, *tids: str, route: bytes = DECODE_ROUTE, engine: str = DECODE
+    ) -> None:
+        """Decode's worker reconnected and asks about these transfers."""
+        self.writer.on_message(route, Reconcile(engine, BOOT, tids))
 
     def heartbeat(self, boot_id: str = BOOT) -> None:
         self.writer.on_message(
@@ -201,7 +209,7 @@ class Rig:
         last heard from each)."""
         pipeline = self.writer._pipeline
         held = leftovers(pipeline)
-        for name in ("_matcher", "_writes"):
+        for name in ("_matcher", "_writes", "_preempt_waits"):
             if len(getattr(pipeline, name)):
                 held[name] = len(getattr(pipeline, name))
         return held

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.messages import (
+    MAX_IDS_PER_MESSAGE,
     MAX_MESSAGE_BYTES,
     MAX_METADATA_BYTES,
     PROTOCOL_VERSION,
@@ -27,6 +28,7 @@ from kvpush.transfer.messages import (
     Message,
     PrefillLeg,
     ProtocolError,
+    Reconcile,
     Registration,
     TransferParams,
     decode,
@@ -54,6 +56,7 @@ MESSAGES: list[Message] = [
     Cancel("kvp-1a2b", "decode0", reason="client went away"),
     Failure("kvp-1a2b", "prefill0", cause=Cause.EXPIRED, detail="no KV in 30 s"),
     Heartbeat("decode0", "boot1"),
+    Reconcile("decode0", "boot1", ("kvp-1a2b", "kvp-3c4d")),
     Done("kvp-1a2b", "prefill0", num_blocks=3),
 ]
 
@@ -174,6 +177,18 @@ def test_encode_validates_like_the_receiver() -> None:
 def test_registration_refuses_repeated_destination_blocks_at_construction() -> None:
     with pytest.raises(ValueError, match="repeat"):
         Registration("t", "d", "b", (1, 1), num_tokens=20, ttl_s=1.0)
+
+
+def test_a_reconcile_is_bounded_and_names_each_transfer_once() -> None:
+    most = tuple(f"kvp-{'x' * 100}-{i}" for i in range(MAX_IDS_PER_MESSAGE))
+    assert len(encode(Reconcile("d", "b", most))) < MAX_MESSAGE_BYTES
+    too_many = _body(Reconcile("d", "b", ("t",)), transfer_ids=[*most, "t"])
+    with pytest.raises(ProtocolError, match="length"):
+        decode(_raw(PROTOCOL_VERSION, too_many))
+    for ids in ([], ["t", "t"], ["bad id"]):
+        body = _body(Reconcile("d", "b", ("t",)), transfer_ids=ids)
+        with pytest.raises(ProtocolError):
+            decode(_raw(PROTOCOL_VERSION, body))
 
 
 # -- TransferParams ---------------------------------------------------------

@@ -19,7 +19,8 @@ and, unless the WRITE's own Done said it, tells decode with a
 transfer is in flight or can be posted later. Failures about a registered
 transfer go back on the socket its Registration came on (decode's
 scheduler, which forwards them to its worker), so they reach decode even
-before its Hello; answers to a Cancel go on the Cancel's socket.
+before its Hello; answers to a Cancel or a Reconcile (decode reconnected:
+:mod:`~kvpush.connector.prefill.reconcile`) go on its socket.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.decode_peers import DecodePeers
 from kvpush.connector.prefill.fence import ReadyFence
 from kvpush.connector.prefill.posting import Posting, ToPost
+from kvpush.connector.prefill.preempt_waits import PreemptWaits
+from kvpush.connector.prefill.reconcile import Reconciler
 from kvpush.connector.prefill.tell import Teller
 from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
@@ -55,6 +58,7 @@ from kvpush.transfer.messages import (
     HelloReply,
     HelloRequest,
     Message,
+    Reconcile,
     Registration,
 )
 from kvpush.transfer.work import split_whole
@@ -118,7 +122,10 @@ class Pipeline:
         self._req_of: dict[str, str] = {}  # transfer id -> prefill request id
         self._fences: dict[str, ReadyFence] = {}
         self._tell = Teller(config.engine_id, reply, counters)
-        self._preempt_waits: list[tuple[set[str], Callable[[], None]]] = []
+        self._reconciler = Reconciler(
+            self._matcher, self._to_post, self._writes, self._tell, counters
+        )
+        self._preempt_waits = PreemptWaits()
 
     # -- events ------------------------------------------------------------
 
@@ -130,7 +137,7 @@ class Pipeline:
             heapq.heappush(self._later, (due, next(self._seq), item))
 
     def on_message(self, route: bytes, message: Message, now: float) -> None:
-        if isinstance(message, Hello | Heartbeat | Cancel):
+        if isinstance(message, Hello | Heartbeat | Cancel | Reconcile):
             self._peers.heard(message.engine_id, now)
         if isinstance(message, Hello):
             self._hello(route, message, now)
@@ -139,6 +146,8 @@ class Pipeline:
             self._registration(route, message, now)
         elif isinstance(message, Cancel):
             self._decode_cancel(route, message, now)
+        elif isinstance(message, Reconcile):
+            self._reconciler.answer(route, message, now)
         elif not isinstance(message, Heartbeat):
             self._counters.add("rejected.unexpected")
             logger.warning("kvpush writer: unexpected %s", type(message).__name__)
@@ -162,10 +171,7 @@ class Pipeline:
             else:
                 self._counters.add("preempted.before_write")
                 self._stop(tid, Cause.PREEMPTED, "prefill's request was preempted", now)
-        if waiting:
-            self._preempt_waits.append((waiting, done))
-        else:
-            done()
+        self._preempt_waits.add(waiting, done)
 
     def pardon(self, now: float, gap_s: float) -> None:
         logger.warning("kvpush writer: this process stalled for %.1f s", gap_s)
@@ -291,14 +297,14 @@ class Pipeline:
         for flight, outcome in ended:
             self._write_ended(flight, outcome)
         if ended:
-            self._wake_preempt_waits({f.transfer_id for f, _ in ended})
+            self._preempt_waits.ended(f.transfer_id for f, _ in ended)
 
     def _write_ended(self, flight: InFlight, outcome: Outcome) -> None:
         tid, engine, route = flight.transfer_id, flight.engine_id, flight.cancel_route
         if outcome is Outcome.DONE:  # its Done went with it: the final word
             self._tracer.mark(tid, "write_done")
             self._release(tid)
-            self._tell.closed(tid)
+            self._tell.done(tid, engine, flight.num_blocks)
         elif outcome is Outcome.FAILED:
             self._tracer.mark(tid, "write_ended")
             self._end(tid, engine, Cause.WRITE_FAILED, "NIXL reported an error", route)
@@ -306,16 +312,6 @@ class Pipeline:
             self._tracer.mark(tid, "write_ended")
             cause = flight.cancel_cause or Cause.CANCELLED
             self._end(tid, engine, cause, f"WRITE cancelled ({cause.value})", route)
-
-    def _wake_preempt_waits(self, ended: set[str]) -> None:
-        still = []
-        for tids, done in self._preempt_waits:
-            tids -= ended
-            if tids:
-                still.append((tids, done))
-            else:
-                done()
-        self._preempt_waits = still
 
     # -- deadlines and peers -------------------------------------------------
 

@@ -3,29 +3,65 @@
 Owned by the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
 (the writer thread). A :class:`Failure` is prefill's final word on a
 transfer: sent only when no WRITE of it is in flight or can still be posted
-(the pipeline's job). This class only decides *where* it goes: on the
-socket given (the one a Cancel came on), else on the socket the transfer's
-Registration came on (decode's scheduler, which forwards it to its worker,
-so it reaches decode even before any Hello), else to decode's worker (its
-Hello's socket). With none known it is counted and dropped: decode's own
-deadline then asks again.
+(the pipeline's job). This class decides *where* it goes: on the socket
+given (the one a Cancel or a Reconcile came on), else on the socket the
+transfer's Registration came on (decode's scheduler, which forwards it to
+its worker, so it reaches decode even before any Hello), else to decode's
+worker (its Hello's socket). With none known it is counted and dropped:
+decode's own deadline then asks again.
+
+It also remembers the last :data:`MAX_WORDS` final words (:class:`FinalWords`:
+each Failure, and the Done of each WRITE that completed), to say them again
+when decode reconciles after a lost connection (a ROUTER drops what it
+sends to a disconnected peer).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvpush.connector.counters import Counters
-from kvpush.transfer.messages import Cause, Failure, Message
+from kvpush.transfer.messages import Cause, Done, Failure, Message
 
 logger = logging.getLogger(__name__)
 
 MAX_DETAIL = 1000
+MAX_WORDS = 16_384  # final words remembered (oldest forgotten first; ~5 MB)
+
+
+@dataclass(frozen=True)
+class Word:
+    """What prefill last said about a transfer, and to which decode."""
+
+    decode_engine_id: str | None  # None: not recorded (a Failure to anyone)
+    message: Done | Failure
+
+
+class FinalWords:
+    """The last ``limit`` final words, by transfer id (pure, bounded)."""
+
+    def __init__(self, limit: int = MAX_WORDS) -> None:
+        self._limit = limit
+        self._words: OrderedDict[str, Word] = OrderedDict()
+
+    def put(self, tid: str, word: Word) -> None:
+        self._words[tid] = word
+        self._words.move_to_end(tid)
+        while len(self._words) > self._limit:
+            self._words.popitem(last=False)
+
+    def get(self, tid: str) -> Word | None:
+        return self._words.get(tid)
+
+    def __len__(self) -> int:
+        return len(self._words)
 
 
 class Teller:
-    """The reply routes of open transfers, and the Failures sent on them."""
+    """The reply routes of open transfers, and the final words sent on them."""
 
     def __init__(
         self,
@@ -35,15 +71,23 @@ class Teller:
     ) -> None:
         self._engine_id, self._reply, self._counters = engine_id, reply, counters
         self._reg_route: dict[str, bytes] = {}  # where its Registration came from
+        self.words = FinalWords()
 
     def registered(self, tid: str, route: bytes) -> None:
-        """``tid``'s Registration came on ``route`` (and was taken)."""
+        """``tid``'s final word goes to ``route`` (its Registration came
+        there, or decode reconciled from there)."""
         self._reg_route[tid] = route
 
     def closed(self, tid: str) -> None:
-        """``tid`` ended without a Failure (its Done told decode, or nobody
-        is left to tell)."""
+        """``tid`` ended without a word (nobody is left to tell, or the
+        caller answers itself)."""
         self._reg_route.pop(tid, None)
+
+    def done(self, tid: str, decode_engine_id: str, num_blocks: int) -> None:
+        """``tid``'s WRITE completed: its Done told decode (remembered)."""
+        self._reg_route.pop(tid, None)
+        done = Done(transfer_id=tid, engine_id=self._engine_id, num_blocks=num_blocks)
+        self.words.put(tid, Word(decode_engine_id, done))
 
     def fail(
         self,
@@ -54,15 +98,31 @@ class Teller:
         worker_route: bytes | None = None,
     ) -> None:
         """Prefill will not write ``tid``: say so, on the first route known
-        of ``route``, the Registration's, ``worker_route``."""
+        of ``route``, the Registration's, ``worker_route`` (remembered)."""
         logger.warning("kvpush: transfer %s failed (%s): %s", tid, cause.value, detail)
         self._counters.add(f"failed.{cause.value}")
         route = route or self._reg_route.pop(tid, None) or worker_route
         self._reg_route.pop(tid, None)
+        failure = Failure(tid, self._engine_id, cause, detail[:MAX_DETAIL])
+        self.words.put(tid, Word(None, failure))
         if route is None:
             self._counters.add("failed.unroutable")
             return
-        self._reply(route, Failure(tid, self._engine_id, cause, detail[:MAX_DETAIL]))
+        self._reply(route, failure)
+
+    def again(self, tid: str, decode_engine_id: str, route: bytes) -> None:
+        """Say the final word on ``tid`` again, on ``route`` (a Reconcile's):
+        the one remembered (a Done only to the decode it wrote to), else
+        ``Failure(peer_lost)``. The caller has made sure no WRITE of ``tid``
+        is in flight or can be posted."""
+        word = self.words.get(tid)
+        why = "prefill no longer holds this transfer (reconciled)"
+        if word is None:
+            self.fail(tid, Cause.PEER_LOST, why, route)
+        elif word.decode_engine_id in (None, decode_engine_id):
+            self._reply(route, word.message)
+        else:  # another decode's transfer: not its Done, and not forgotten
+            self._reply(route, Failure(tid, self._engine_id, Cause.PEER_LOST, why))
 
     def __len__(self) -> int:
         return len(self._reg_route)

@@ -61,6 +61,7 @@ class InFlight:
     transfer_id: str
     engine_id: str
     deadline: float  # past it, the WRITE is cancelled
+    num_blocks: int = 0  # for the Done said again on a Reconcile
     cancel_route: bytes | None = None  # decode cancelled: answer there when over
     cancel_cause: Cause | None = None  # set once a cancel was asked for
     failed: bool = False  # NIXL said ERR; waiting for the release
@@ -101,7 +102,8 @@ class Writes:
         layouts = (self._io.layout, peer.layout)
         src, dst = descriptors(block_runs, *layouts, item.layers)
         handle = self._io.write(src, dst, peer.agent_name, notif)
-        flight = InFlight(handle, item.transfer_id, engine, now + self._timeout_s)
+        deadline = now + self._timeout_s
+        flight = InFlight(handle, item.transfer_id, engine, deadline, item.num_blocks)
         self._inflight[item.transfer_id] = flight
         num_bytes = item.num_blocks * self._io.layout.block_bytes
         num_bytes *= len(item.layers) * self._io.layout.regions_per_layer
@@ -126,6 +128,13 @@ class Writes:
             flight.cancel_route = route
         if flight.cancel_cause is None:
             flight.cancel_cause, flight.next_try = cause, now
+
+    def reroute(self, transfer_id: str, route: bytes) -> None:
+        """Decode reconnected (its old socket is gone): a cancelled WRITE
+        is answered on ``route`` instead."""
+        flight = self._inflight.get(transfer_id)
+        if flight is not None and flight.cancel_route is not None:
+            flight.cancel_route = route
 
     def next_due(self, now: float) -> float | None:
         """When the writer must tick again for these WRITEs (None: none)."""

@@ -1,0 +1,68 @@
+"""Prefill's answer to a decode that reconnected: which transfers will
+never be written.
+
+A ROUTER socket drops what it sends to a peer whose connection is down, so
+a Failure prefill sent to a decode during a partition is lost, and the
+decode's old sockets (the routes prefill answers on) are gone with it.
+After the connection comes back decode sends a
+:class:`~kvpush.transfer.messages.Reconcile` naming every receive it still
+waits on from this prefill. For each id, :meth:`Reconciler.answer`:
+
+* prefill still *holds* it (a half waiting in the matcher, matched and not
+  yet posted, or a WRITE in flight): it carries on, and its final word (the
+  WRITE's Done, or a Failure) will go to the Reconcile's socket;
+* otherwise no WRITE of it is in flight or can be posted: the id is closed
+  in the matcher (a Registration that comes later under it is refused, for
+  the matcher's tombstone time), and prefill says its final word again
+  (:meth:`~kvpush.connector.prefill.tell.Teller.again`): the Failure it
+  sent, the Done of a WRITE NIXL reported complete, or ``Failure(peer_lost)``
+  when it remembers none.
+
+Owned by the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
+(the writer thread), over the pipeline's own parts; no I/O of its own.
+"""
+
+from __future__ import annotations
+
+from kvpush.connector.counters import Counters
+from kvpush.connector.prefill.posting import Posting
+from kvpush.connector.prefill.tell import Teller
+from kvpush.connector.prefill.writes import Writes
+from kvpush.transfer.matcher import Matcher
+from kvpush.transfer.messages import Reconcile
+
+
+class Reconciler:
+    """Answers Reconciles from the pipeline's matcher, posting and WRITEs."""
+
+    def __init__(
+        self,
+        matcher: Matcher,
+        to_post: Posting,
+        writes: Writes,
+        tell: Teller,
+        counters: Counters,
+    ) -> None:
+        self._matcher, self._to_post, self._writes = matcher, to_post, writes
+        self._tell, self._counters = tell, counters
+
+    def holds(self, tid: str) -> bool:
+        """Whether a WRITE of ``tid`` is in flight or may still be posted."""
+        return (
+            self._matcher.is_pending(tid)
+            or tid in self._to_post
+            or self._writes.get(tid) is not None
+        )
+
+    def answer(self, route: bytes, reconcile: Reconcile, now: float) -> None:
+        """Decode ``reconcile.engine_id`` waits on these ids (from ``route``)."""
+        for tid in reconcile.transfer_ids:
+            if self.holds(tid):
+                self._counters.add("reconciled.live")
+                self._tell.registered(tid, route)  # its final word goes here
+                self._writes.reroute(tid, route)
+                continue
+            self._counters.add("reconciled.ended")
+            # Not pending, so this only closes the id (drops nothing).
+            self._matcher.cancel(tid, "reconciled with decode", now)
+            self._tell.again(tid, reconcile.engine_id, route)
