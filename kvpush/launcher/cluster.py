@@ -56,7 +56,7 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     """Start the cluster described by ``config`` and wait until it serves."""
     console = console or Console(stderr=True)
     run_dir = run_dir_of(config)
-    _refuse_if_running(run_dir)
+    check_run_dir_free(run_dir)
     network = _plan_network(config, run_dir)
     if network is None:
         check_secret(config, config.addresses.side_channel_bind_host)
@@ -275,7 +275,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _refuse_if_running(run_dir: Path) -> None:
+def check_run_dir_free(run_dir: Path) -> None:
     """Refuse while a cluster runs from ``run_dir``; clear what a dead one
     left (its state, its rehearsal hosts)."""
     state = load_state(run_dir)
