@@ -99,6 +99,21 @@ class RecordingHeartbeats:
         pass
 
 
+class InlineProgress:
+    """Stands in for the NIXL progress thread: reads the fake agent's
+    notifications when the worker takes them, so each step sees exactly
+    what was delivered before it (the real thread: test_connector_progress)."""
+
+    def __init__(self, io: FakeNixlIO) -> None:
+        self._io = io
+
+    def take(self) -> list[bytes]:
+        return self._io.notifications()
+
+    def close(self) -> bool:
+        return True
+
+
 @dataclass
 class Decode:
     worker: DecodeWorker
@@ -159,6 +174,7 @@ def decode(clock: FakeTime) -> Iterator[Decode]:
     heartbeats = RecordingHeartbeats()
     worker._io, worker._peers = io, peers  # type: ignore[assignment]
     worker._heartbeats = heartbeats  # type: ignore[assignment]
+    worker._progress = InlineProgress(io)  # type: ignore[assignment]
     worker._hello = Hello(
         engine_id="d0",
         boot_id="b0",

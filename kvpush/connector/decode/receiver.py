@@ -9,9 +9,10 @@ rule of ``docs/architecture.md``):
     Decode gives its destination blocks back to vLLM only once no WRITE can
     land in them any more: after prefill's final word on the transfer (the
     Done of its WRITE, or a Failure, which prefill sends only when no WRITE
-    of it is in flight or can still be posted), or once the prefill process
-    is proven gone (its connection closed, or it answered a Hello with a new
-    boot id). A deadline never frees blocks.
+    of it is in flight or can still be posted, in particular its answer to
+    decode's Reconcile after a reconnect), or once the prefill process is
+    proven gone (its loopback connection closed, or it answered a Hello with
+    a new boot id). A deadline never frees blocks.
 
 When the deadline passes without a final word the receive is
 *quarantined*: its blocks stay held and are counted, the worker asks
@@ -182,6 +183,11 @@ class Receiver:
         for entry in self._pending.values():
             if entry.phase is Phase.WAITING:
                 entry.deadline += gap_s
+
+    def awaited_ids(self, address: Address) -> list[str]:
+        """Transfer ids awaited from the prefill at ``address`` (quarantined,
+        aborted or not), in the order they were expected."""
+        return [t for t, e in self._pending.items() if e.address == address]
 
     def awaited(self) -> frozenset[Address]:
         """Side-channel addresses of the prefills we are waiting on."""

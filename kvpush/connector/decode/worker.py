@@ -1,14 +1,19 @@
 """Decode's worker side (vLLM's Worker process; every method is called by
-vLLM on the worker's main thread, except the heartbeat thread's own loop).
+vLLM on the worker's main thread, except the heartbeat and NIXL progress
+threads' own loops).
 
-``register_kv_caches`` registers the KV cache with NIXL. Decode says Hello
-to each prefill it meets (again after a reconnect, or when that prefill
-asks), watches those connections, keeps a heartbeat thread beating to the
-prefills it waits on, reads NIXL notifications (Done) and prefill's
-Failures (on its own socket, and those its scheduler forwards), and reports
-each receive finished (``get_finished``) by the rule of
-:mod:`kvpush.connector.decode.receiver`; blocks of a failed receive are
-reported as load errors so that vLLM does not use them.
+``register_kv_caches`` registers the KV cache with NIXL and starts the
+progress thread (:mod:`kvpush.connector.decode.progress`), the only reader
+of NIXL notifications from then on. Decode says Hello to each prefill it
+meets (again after a reconnect, or when that prefill asks), watches those
+connections, reconciles with a prefill whose connection came back off
+loopback (a ``Reconcile`` after its HelloReply), keeps a heartbeat thread
+beating to the prefills it waits on, takes the notifications (Done) the
+progress thread read and prefill's Done and Failures (on its own socket,
+and those its scheduler forwards), and reports each receive finished
+(``get_finished``) by the rule of :mod:`kvpush.connector.decode.receiver`;
+blocks of a failed receive are reported as load errors so that vLLM does
+not use them.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from kvpush.connector.agent import open_agent
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.counters import Counters
 from kvpush.connector.decode.heartbeat import Heartbeats
+from kvpush.connector.decode.progress import Progress
 from kvpush.connector.decode.receiver import Receiver
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.side_channel import Peers
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.messages import (
+    MAX_IDS_PER_MESSAGE,
     Cancel,
     Done,
     Failure,
@@ -36,6 +43,7 @@ from kvpush.transfer.messages import (
     HelloReply,
     HelloRequest,
     ProtocolError,
+    Reconcile,
     decode,
 )
 
@@ -64,11 +72,13 @@ class DecodeWorker:
         self.tracer = Tracer(config.trace_dir, config.engine_id)
         self.counters = Counters()
         self._io: NixlIO | None = None
+        self._progress: Progress | None = None  # started with the agent
         self._peers = Peers(config.secret, monitor=True)  # watched for liveness
         self._hello: Hello | None = None
         self._greeted: set[Address] = set()  # Hello sent since (re)connect
         self._connected: set[Address] = set()
         self._prefill_boots: dict[Address, str] = {}  # from their HelloReply
+        self._to_reconcile: set[Address] = set()  # lost off loopback since
         self._receiver = Receiver(config.registration_ttl_s, self.counters)
         self._heartbeats = Heartbeats(
             config.engine_id,
@@ -82,6 +92,7 @@ class DecodeWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._io = open_agent(self.config, kv_caches)
+        self._progress = Progress(self._io, self.counters)
         self._hello = Hello(
             engine_id=self.config.engine_id,
             boot_id=self.config.boot_id,
@@ -135,13 +146,13 @@ class DecodeWorker:
 
     def get_finished(self) -> set[str]:
         """Decode requests whose KV has arrived or has failed."""
-        if self._io is None:
+        if self._progress is None:
             return set()
         now = time.monotonic()
         if now - self._last_step > STALL_S:
             self._receiver.pardon(now - self._last_step)
         self._last_step = now
-        for payload in self._io.notifications():
+        for payload in self._progress.take():
             try:
                 msg = decode(payload)
             except ProtocolError as e:
@@ -168,6 +179,8 @@ class DecodeWorker:
                 self._greet(address)
             elif isinstance(msg, HelloReply):
                 self._hello_reply(address, msg)
+            elif isinstance(msg, Done):  # a Reconcile's answer: the KV landed
+                self._receiver.done(msg.transfer_id, now)
 
     def _hello_reply(self, address: Address, reply: HelloReply) -> None:
         old = self._prefill_boots.get(address)
@@ -181,15 +194,30 @@ class DecodeWorker:
                 "kvpush: prefill %s refused us: %s", reply.engine_id, reply.reason
             )
             self._receiver.peer_refused(reply.engine_id)
+        elif address in self._to_reconcile:
+            self._reconcile(address)
+        self._to_reconcile.discard(address)
+
+    def _reconcile(self, address: Address) -> None:
+        """The connection to ``address`` came back (off loopback): what
+        prefill sent us while it was down is lost, so name every receive
+        still awaited from it; prefill answers each it no longer holds with
+        its final word (:mod:`kvpush.connector.prefill.reconcile`)."""
+        ids = self._receiver.awaited_ids(address)
+        for start in range(0, len(ids), MAX_IDS_PER_MESSAGE):
+            chunk = tuple(ids[start : start + MAX_IDS_PER_MESSAGE])
+            ask = Reconcile(self.config.engine_id, self.config.boot_id, chunk)
+            sent = self._peers.send(*address, ask)
+            self.counters.add("reconcile.sent" if sent else "reconcile.not_sent")
 
     def _watch_connections(self) -> None:
         """Greet a prefill again on every reconnect. A loopback connection
         that closed proves the prefill process is gone (only its exit closes
         it): fail what we wait on from it. Across a network a closed
-        connection proves nothing (a partition looks the same); there the
-        proof is a new boot id in the HelloReply after the reconnect, and
-        until then the receives wait (and are quarantined at their
-        deadline)."""
+        connection proves nothing (a partition looks the same): the receives
+        wait, and the HelloReply after the reconnect settles them: a new
+        boot id proves the old process gone, and either way decode then
+        reconciles (:meth:`_reconcile`)."""
         for event in self._peers.connection_events():
             address = event.address
             if event.up:
@@ -204,6 +232,8 @@ class DecodeWorker:
                 self.counters.add("peer_lost")
                 self._prefill_boots.pop(address, None)
                 self._receiver.peer_lost(address)
+            else:
+                self._to_reconcile.add(address)
 
     def reserved_blocks(self) -> int:
         """Destination blocks still reserved for transfers."""
@@ -215,7 +245,8 @@ class DecodeWorker:
 
     def close(self) -> None:
         self._heartbeats.close()
+        stopped = self._progress is None or self._progress.close()
         self._peers.close()
-        if self._io is not None:
+        if self._io is not None and stopped:  # never under a running poll
             self._io.close()
         self.tracer.close()

@@ -24,12 +24,16 @@ Owned by the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
 
 from __future__ import annotations
 
+import logging
+
 from kvpush.connector.counters import Counters
 from kvpush.connector.prefill.posting import Posting
 from kvpush.connector.prefill.tell import Teller
 from kvpush.connector.prefill.writes import Writes
 from kvpush.transfer.matcher import Matcher
 from kvpush.transfer.messages import Reconcile
+
+logger = logging.getLogger(__name__)
 
 
 class Reconciler:
@@ -56,6 +60,12 @@ class Reconciler:
 
     def answer(self, route: bytes, reconcile: Reconcile, now: float) -> None:
         """Decode ``reconcile.engine_id`` waits on these ids (from ``route``)."""
+        logger.info(
+            "kvpush: decode %s (boot %s) reconnected; it waits on %d transfers",
+            reconcile.engine_id,
+            reconcile.boot_id,
+            len(reconcile.transfer_ids),
+        )
         for tid in reconcile.transfer_ids:
             if self.holds(tid):
                 self._counters.add("reconciled.live")
