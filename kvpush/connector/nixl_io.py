@@ -33,9 +33,12 @@ class NixlIO:
     """A NIXL agent with this worker's KV cache registered.
 
     Built by the worker in ``register_kv_caches``; afterwards used by exactly
-    one thread per role (prefill: the writer thread; decode: the worker's main
-    thread). Progress is driven by those threads' polling; NIXL's own
-    progress thread is off, so an idle agent costs nothing.
+    one thread per role (prefill: the writer thread; decode: its NIXL
+    progress thread, :mod:`kvpush.connector.decode.progress`, the only
+    reader of notifications, while the main thread only opens the agent
+    and, once that thread stopped, closes it). The agent has no locks of
+    its own (NIXL's sync mode "none"). Progress is driven by those threads'
+    polling; NIXL's own progress thread is off.
     """
 
     def __init__(

@@ -150,3 +150,26 @@ def test_a_silent_decode_never_stops_a_write_in_flight():
         assert rig.counters.get("peer_lost") == 0
     finally:
         rig.close()
+
+
+def test_a_write_cancelled_before_the_partition_answers_on_the_new_socket():
+    rig = Rig()
+    try:
+        rig.io.cancellable = False  # the cancel cannot stop it: it ends by itself
+        rig.io.script_polls(*["PROC"] * 400, "ERR")
+        rig.hello()
+        rig.register()
+        rig.ready()
+        assert wait_for(lambda: rig.io.writes_snapshot())
+        rig.cancel(route=OLD_ROUTE)  # answered once the WRITE is over
+
+        rig.reconcile("t1", route=NEW_ROUTE)
+        rig.sync()
+        assert words(rig) == [], "the WRITE may still land: no answer yet"
+
+        assert rig.wait_finished("req-1")
+        assert wait_for(lambda: words(rig))
+        assert words(rig)[0].cause is Cause.WRITE_FAILED
+        assert rig.replies_to(OLD_ROUTE, Failure) == [], "not on the dead socket"
+    finally:
+        rig.close()

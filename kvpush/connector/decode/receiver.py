@@ -125,7 +125,8 @@ class Receiver:
         return entry.expect
 
     def done(self, transfer_id: str, now: float) -> None:
-        """A Done notification arrived: the KV landed (final)."""
+        """A Done arrived (its WRITE's NIXL notification, or prefill's answer
+        to a Reconcile): the KV landed (final)."""
         self._word(transfer_id, None, now)
 
     def failed(self, transfer_id: str, cause: Cause, now: float) -> None:
