@@ -50,10 +50,9 @@ def test_cancel_of_an_unknown_transfer_is_answered_so_decode_can_free():
         rig.close()
 
 
-def test_cancel_during_a_write_nixl_cannot_cancel_waits_for_its_done():
+def test_cancel_during_a_write_waits_for_its_done():
     rig = Rig()
     try:
-        rig.io.cancellable = False
         rig.io.script_polls(*["PROC"] * 100, "DONE")
         rig.hello()
         rig.register()
@@ -73,22 +72,28 @@ def test_cancel_during_a_write_nixl_cannot_cancel_waits_for_its_done():
         rig.close()
 
 
-def test_cancel_during_a_write_cancels_it_and_answers_once_nixl_let_go():
+def test_cancel_during_a_write_never_releases_it_while_it_runs():
+    """Over TCP a cancelled WRITE still lands what UCX already sent (seen on
+    the netns rehearsal: a WRITE cancelled at decode's deadline corrupted
+    the request that reused its blocks). Before the fix the writer released
+    the running handle and answered ``cancelled`` at once."""
     rig = Rig()
     try:
-        rig.io.script_polls(*["PROC"] * 100_000, "DONE")
+        rig.io.script_polls(*["PROC"] * 2000, "ERR")  # runs for a while
         rig.hello()
         rig.register()
         rig.ready()
         assert wait_for(lambda: rig.io.writes_snapshot())
         rig.cancel()
-
-        assert rig.wait_finished("req-1")
+        time.sleep(0.2)
         (write,) = rig.io.writes_snapshot()
-        assert write.cancelled
-        assert wait_for(lambda: failures(rig))
-        assert failures(rig)[0].cause is Cause.CANCELLED
-        assert rig.decode_io.notifications() == []
+        assert not write.cancelled, "a running WRITE was released"
+        assert failures(rig) == [], "answered while the WRITE may still land"
+
+        assert wait_for(lambda: failures(rig), timeout_s=10.0)  # once it erred
+        assert failures(rig)[0].cause is Cause.WRITE_FAILED
+        assert write.released and not write.cancelled
+        assert rig.wait_finished("req-1")
     finally:
         rig.close()
 
@@ -244,29 +249,10 @@ def test_fault_file_delay_ready_holds_the_kv_before_the_match(tmp_path: Path):
         rig.close()
 
 
-def test_a_write_stuck_past_its_deadline_is_cancelled_then_freed():
-    rig = Rig()
-    rig.writer._pipeline._writes._timeout_s = 0.2
-    try:
-        rig.io.script_polls(*["PROC"] * 100_000, "DONE")
-        rig.hello()
-        rig.register()
-        rig.ready()
-
-        assert rig.wait_finished("req-1", timeout_s=2.0)
-        (write,) = rig.io.writes_snapshot()
-        assert write.cancelled, "blocks freed only once NIXL cancelled the WRITE"
-        assert failures(rig)[0].cause is Cause.WRITE_FAILED
-        assert rig.counters.get("expired.write") == 1
-    finally:
-        rig.close()
-
-
-def test_a_write_nixl_cannot_cancel_keeps_its_blocks():
+def test_a_write_past_its_deadline_is_counted_and_awaited_not_cancelled():
     rig = Rig()
     rig.writer._pipeline._writes._timeout_s = 0.1
     try:
-        rig.io.cancellable = False
         rig.io.script_polls(*["PROC"] * 3000, "DONE")  # ends after a second or so
         rig.hello()
         rig.register()
@@ -274,8 +260,11 @@ def test_a_write_nixl_cannot_cancel_keeps_its_blocks():
         assert wait_for(lambda: rig.io.writes_snapshot())
         time.sleep(0.3)
         assert not rig.wait_finished("req-1", timeout_s=0.01), "still in flight"
+        assert rig.counters.get("expired.write") == 1
 
-        assert rig.wait_finished("req-1", timeout_s=5.0)  # freed when it ends
+        assert rig.wait_finished("req-1", timeout_s=10.0)  # freed when it ends
+        (write,) = rig.io.writes_snapshot()
+        assert write.done and not write.cancelled
         assert failures(rig) == []
     finally:
         rig.close()

@@ -3,8 +3,8 @@ as a completed transfer, and never wedges: issue 9's defects, each as the
 sequence that exposed it. Every test ends with nothing held (``Rig.close``).
 
 * preemption after the trigger (item 1): a WRITE not yet posted is never
-  posted; one in flight is let finish before ``preempt`` returns; one NIXL
-  will not stop makes ``preempt`` refuse;
+  posted; one in flight is let finish before ``preempt`` returns; one that
+  does not end in time makes ``preempt`` refuse (it is never cancelled);
 * NIXL errors (item 3): ``ERR`` keeps the blocks until NIXL released the
   handle; a raising ``state`` or ``release`` never stops the loop;
 * duplicate transfer ids (item 4);
@@ -91,11 +91,10 @@ def test_preemption_waits_for_a_write_in_flight_to_end():
         rig.close()
 
 
-def test_preemption_refuses_when_nixl_will_not_stop_the_write():
+def test_preemption_refuses_while_the_write_has_not_ended():
     rig = Rig()
     rig.writer._pipeline._writes._timeout_s = 0.05
     try:
-        rig.io.cancellable = False
         rig.io.script_polls(*["PROC"] * 4000, "DONE")  # ends after seconds
         rig.hello()
         rig.register()

@@ -66,7 +66,7 @@ from kvpush.transfer.work import split_whole
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # longest sleep of the writer thread
-WRITE_TIMEOUT_S = 30.0  # a WRITE in flight longer than this is cancelled
+WRITE_TIMEOUT_S = 30.0  # a WRITE in flight longer than this is counted late
 POLL_S = 0.0005  # poll period while a device fence is pending
 
 
@@ -305,13 +305,9 @@ class Pipeline:
             self._tracer.mark(tid, "write_done")
             self._release(tid)
             self._tell.done(tid, engine, flight.num_blocks)
-        elif outcome is Outcome.FAILED:
-            self._tracer.mark(tid, "write_ended")
-            self._end(tid, engine, Cause.WRITE_FAILED, "NIXL reported an error", route)
         else:
             self._tracer.mark(tid, "write_ended")
-            cause = flight.cancel_cause or Cause.CANCELLED
-            self._end(tid, engine, cause, f"WRITE cancelled ({cause.value})", route)
+            self._end(tid, engine, Cause.WRITE_FAILED, "NIXL reported an error", route)
 
     # -- deadlines and peers -------------------------------------------------
 
@@ -370,10 +366,11 @@ class Pipeline:
     # -- endings ---------------------------------------------------------------
 
     def _stop(self, tid: str, cause: Cause, why: str, now: float) -> None:
-        """Close ``tid`` wherever it is; a WRITE in flight is cancelled."""
+        """Close ``tid`` wherever it is; a WRITE in flight runs to its end
+        (see :mod:`kvpush.connector.prefill.writes`)."""
         if self._writes.get(tid) is not None:
-            self._writes.cancel(tid, cause, None, now)
-        elif (tp := self._to_post.pop(tid)) is not None:
+            return
+        if (tp := self._to_post.pop(tid)) is not None:
             self._end(tid, tp.engine, cause, why)
         else:
             self._drop_all(self._matcher.cancel(tid, why, now), cause)
@@ -384,7 +381,7 @@ class Pipeline:
         tid = cancel.transfer_id
         self._counters.add("cancelled.by_decode")
         if self._writes.get(tid) is not None:  # answered when the WRITE ends
-            self._writes.cancel(tid, Cause.CANCELLED, route, now)
+            self._writes.answer_on(tid, route)
             return
         if self._to_post.pop(tid) is not None:
             self._release(tid)

@@ -1,21 +1,23 @@
 """Prefill's WRITEs in flight, from the post until NIXL has let go of them.
 
 Used only by the writer thread (:mod:`kvpush.connector.prefill.writer`).
-A WRITE ends here in exactly one of three ways, and only once NIXL has
-released its handle, because until then the backend may still read
-prefill's blocks and write decode's:
+A WRITE ends here in exactly one of two ways, both NIXL's own verdict, and
+only once NIXL has released its handle:
 
 * ``DONE``: it completed; its Done notification reached decode with it;
-* ``FAILED``: NIXL said ``ERR`` (or raised), and the handle was released;
-* ``CANCELLED``: it was cancelled (decode gave it up, prefill's request was
-  preempted past the deadline, or it ran past its deadline) and NIXL
-  released it.
+* ``FAILED``: NIXL said ``ERR`` (or raised), and the handle was released.
 
-A handle NIXL will not release stays here, and so do its blocks: its
-release is tried again every :data:`RETRY_S`, at most
-:data:`MAX_RELEASE_TRIES` times for a cancel; after that the WRITE is
-*stuck*: it is still polled (it may yet end), never cancelled again, and
-counted. Nothing here raises out of a poll or a release.
+A running WRITE is never cancelled, neither when decode gives it up, nor
+when prefill's request is aborted or preempted, nor past its deadline:
+over TCP, releasing a running handle stops only what UCX has not yet sent,
+and the bytes already in the sockets still land in decode's blocks (seen on
+the rehearsal hosts: a WRITE cancelled at decode's deadline on a 10 Mbit/s
+link corrupted the output of the request that reused its blocks). So a
+WRITE past its deadline is only counted (``expired.write``) and logged;
+decode keeps its blocks quarantined until this WRITE's own end answers it.
+A handle NIXL will not release after ``ERR`` stays here, and so do its
+blocks: its release is tried again every :data:`RETRY_S`. Nothing here
+raises out of a poll or a release.
 
 Every WRITE in flight is polled on every writer tick, every
 :data:`POLL_S` while any is in flight: NIXL's progress thread is off, so
@@ -37,20 +39,18 @@ from kvpush.connector.nixl_io import NixlIO, XferState
 from kvpush.connector.prefill.decode_peers import DecodePeer
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.coalesce import descriptors, runs
-from kvpush.transfer.messages import Cause, Done, encode
+from kvpush.transfer.messages import Done, encode
 from kvpush.transfer.work import WorkItem
 
 logger = logging.getLogger(__name__)
 
-RETRY_S = 1.0  # between two tries to release a handle
+RETRY_S = 1.0  # between two tries to release a handle after ERR
 POLL_S = 0.0005  # the writer's tick while a WRITE is in flight
-MAX_RELEASE_TRIES = 3  # cancels of a running WRITE before it counts as stuck
 
 
 class Outcome(enum.Enum):
     DONE = "done"
     FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 @dataclass
@@ -60,14 +60,12 @@ class InFlight:
     handle: Any
     transfer_id: str
     engine_id: str
-    deadline: float  # past it, the WRITE is cancelled
+    deadline: float  # past it, the WRITE is counted late (never cancelled)
     num_blocks: int = 0  # for the Done said again on a Reconcile
     cancel_route: bytes | None = None  # decode cancelled: answer there when over
-    cancel_cause: Cause | None = None  # set once a cancel was asked for
+    late: bool = False  # past its deadline, counted
     failed: bool = False  # NIXL said ERR; waiting for the release
-    release_tries: int = 0
     next_try: float = 0.0
-    stuck: bool = False
 
 
 class Writes:
@@ -116,18 +114,13 @@ class Writes:
             num_bytes=num_bytes,
         )
 
-    def cancel(
-        self, transfer_id: str, cause: Cause, route: bytes | None, now: float
-    ) -> None:
-        """Ask NIXL to cancel the WRITE of ``transfer_id`` (``route``: decode
-        gave it up and is answered there once the WRITE is over)."""
+    def answer_on(self, transfer_id: str, route: bytes) -> None:
+        """Decode gave the WRITE of ``transfer_id`` up: it runs to its end
+        all the same (a cancel proves nothing over TCP), and a failed end is
+        answered on ``route`` (a completed one is answered by its Done)."""
         flight = self._inflight.get(transfer_id)
-        if flight is None:
-            return
-        if route is not None:
+        if flight is not None:
             flight.cancel_route = route
-        if flight.cancel_cause is None:
-            flight.cancel_cause, flight.next_try = cause, now
 
     def reroute(self, transfer_id: str, route: bytes) -> None:
         """Decode reconnected (its old socket is gone): a cancelled WRITE
@@ -142,17 +135,22 @@ class Writes:
 
     def poll(self, now: float) -> list[tuple[InFlight, Outcome]]:
         """The WRITEs that ended since the last call, each once (every WRITE
-        in flight is polled). Also cancels those past their deadline and
-        retries releases that NIXL refused."""
+        in flight is polled). Also counts those past their deadline, and
+        retries releases that NIXL refused after ``ERR``."""
         ended = []
         for flight in list(self._inflight.values()):
-            overdue = now > flight.deadline and flight.cancel_cause is None
-            if overdue and not flight.failed:
+            if now > flight.deadline and not flight.late:
+                flight.late = True
                 self._counters.add("expired.write")
-                flight.cancel_cause, flight.next_try = Cause.WRITE_FAILED, now
+                logger.warning(
+                    "kvpush: the WRITE of %s runs past %.0f s; it is awaited, "
+                    "not cancelled (bytes already sent would still land)",
+                    flight.transfer_id,
+                    self._timeout_s,
+                )
             try:
                 outcome = self._step(flight, now)
-            except Exception:  # never stop polling the others, or deadlines
+            except Exception:  # never stop polling the others
                 logger.exception(
                     "kvpush: polling the WRITE of %s failed", flight.transfer_id
                 )
@@ -170,28 +168,15 @@ class Writes:
                 if not self._io.release(flight.handle):  # it completed anyway
                     logger.warning("kvpush: a completed WRITE kept its handle")
                 return Outcome.DONE
-            if state is XferState.ERR:
-                flight.failed, flight.next_try = True, now
-        ending = flight.failed or flight.cancel_cause is not None
-        due = ending and not flight.stuck and now >= flight.next_try
-        if due and self._try_release(flight, now):
-            return Outcome.FAILED if flight.failed else Outcome.CANCELLED
-        return None
-
-    def _try_release(self, flight: InFlight, now: float) -> bool:
+            if state is not XferState.ERR:
+                return None
+            flight.failed, flight.next_try = True, now
+        if now < flight.next_try:
+            return None
         if self._io.release(flight.handle):
-            return True
-        flight.release_tries += 1
+            return Outcome.FAILED
         flight.next_try = now + RETRY_S
-        if not flight.failed and flight.release_tries >= MAX_RELEASE_TRIES:
-            flight.stuck = True  # still polled: it may end by itself
-            self._counters.add("stuck.write")
-            logger.error(
-                "kvpush: NIXL will not cancel the WRITE of %s; its blocks stay "
-                "held until it ends",
-                flight.transfer_id,
-            )
-        return False
+        return None
 
     def get(self, transfer_id: str) -> InFlight | None:
         return self._inflight.get(transfer_id)
@@ -200,7 +185,9 @@ class Writes:
         return len(self._inflight)
 
     def release_all(self) -> int:
-        """Shutdown: cancel every WRITE; how many NIXL would not release."""
+        """Shutdown (the process is going: nothing of it will be reused):
+        release every WRITE, running or not; how many NIXL would not let
+        go (their memory must stay registered)."""
         kept = 0
         for tid, flight in list(self._inflight.items()):
             if self._io.release(flight.handle):
