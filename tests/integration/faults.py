@@ -15,12 +15,14 @@ import socket
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
+from kvpush import client
 from kvpush.launcher.instances import FAULT_FILE
 from kvpush.router.connector_stats import events_of
 from kvpush.transfer.messages import (
@@ -102,6 +104,37 @@ def wait_counter(
 
     wait_for(reached, timeout_s, step_s=0.2)
     return counters(cluster)[engine][name]
+
+
+def delta(before: dict[str, Any], cluster: Cluster, engine: str, name: str) -> int:
+    """How much counter ``name`` of ``engine`` grew since ``before``, waiting
+    (up to 10 s) for it to grow at all: counts reach /metrics with the
+    engine step after them."""
+    target = before[engine][name] + 1
+    return wait_counter(cluster, engine, name, target) - before[engine][name]
+
+
+def send_named(
+    cluster: Cluster, name: str, deadline_s: float, client_id: str = ""
+) -> client.Reply:
+    """Send workload request ``name`` (a SHAPES or CONCURRENT entry)."""
+    path, body = {**workload.SHAPES, **workload.CONCURRENT}[name]
+    headers = {"X-Request-Id": client_id or uuid.uuid4().hex}
+    return client.request(cluster.url, path, body, deadline_s, headers)
+
+
+def assert_pushed_named(
+    cluster: Cluster, reference: workload.Outputs, name: str, deadline_s: float
+) -> None:
+    """Workload request ``name`` is answered correctly through a push, not
+    a fallback."""
+    time.sleep(1.0)  # let earlier counts reach /metrics
+    before = counters(cluster)["decode0"]["fallback"]
+    reply = send_named(cluster, name, deadline_s)
+    problem = workload.mismatch(reference[name], reply)
+    assert problem is None, f"{name}: {problem}"
+    time.sleep(1.0)
+    assert counters(cluster)["decode0"]["fallback"] == before, f"{name} fell back"
 
 
 def trace_events(cluster: Cluster) -> list[dict[str, Any]]:

@@ -97,11 +97,7 @@ def assert_clear_error(reply: client.Reply) -> None:
 
 def assert_pushed(cluster: Cluster, reference: workload.Outputs, i: int) -> None:
     """Request ``i`` is answered correctly through a push, not a fallback."""
-    time.sleep(1.0)  # let earlier counts reach /metrics
-    before = faults.counters(cluster)["decode0"]["fallback"]
-    assert_correct(reference, i, send(cluster, i))
-    time.sleep(1.0)
-    assert faults.counters(cluster)["decode0"]["fallback"] == before, "fell back"
+    faults.assert_pushed_named(cluster, reference, prompt(i)[0], DEADLINE_S)
 
 
 def finished(reply: client.Reply) -> bool:
@@ -111,14 +107,6 @@ def finished(reply: client.Reply) -> bool:
     return any(
         c.get("finish_reason") for src in sources for c in src.get("choices", [])
     )
-
-
-def delta(before: dict[str, Any], cluster: Cluster, engine: str, name: str) -> int:
-    """How much counter ``name`` of ``engine`` grew since ``before``, waiting
-    (up to 10 s) for it to grow at all: counts reach /metrics with the
-    engine step after them."""
-    target = before[engine][name] + 1
-    return faults.wait_counter(cluster, engine, name, target) - before[engine][name]
 
 
 # -- metrics on vLLM's own /metrics ------------------------------------------------
@@ -161,8 +149,8 @@ def test_dropped_registration_falls_back_to_local_prefill(cluster, reference):
     # Prefill's KV expired unmatched after 4 s and it told decode then;
     # decode's own deadline (8 + 5 s) did not have to pass.
     assert reply.total_s < 8.0, f"took {reply.total_s:.1f} s"
-    assert delta(before, cluster, "prefill0", "expired.ready") == 1
-    assert delta(before, cluster, "decode0", "fallback") >= 1
+    assert faults.delta(before, cluster, "prefill0", "expired.ready") == 1
+    assert faults.delta(before, cluster, "decode0", "fallback") >= 1
     faults.assert_no_blocks_held(cluster)
 
 
@@ -174,8 +162,8 @@ def test_write_delayed_past_its_deadline_falls_back(cluster, reference):
 
     assert_correct(reference, 21, reply)
     assert reply.total_s < 13.0, "decode was told before its own deadline"
-    assert delta(before, cluster, "prefill0", "expired.matched") == 1
-    assert delta(before, cluster, "decode0", "receive_failed.expired") == 1
+    assert faults.delta(before, cluster, "prefill0", "expired.matched") == 1
+    assert faults.delta(before, cluster, "decode0", "receive_failed.expired") == 1
     faults.assert_no_blocks_held(cluster)
 
 
@@ -209,8 +197,8 @@ def test_client_abort_at_each_phase_frees_both_sides(
     if tid is not None:  # held in that phase: it never got as far as a WRITE
         assert "write_posted" not in faults.phases(cluster, tid)
         # decode kept the blocks until prefill answered its Cancel
-        assert delta(before, cluster, "decode0", "aborted.released") == 1
-        assert delta(before, cluster, "prefill0", "cancelled.by_decode") == 1
+        assert faults.delta(before, cluster, "decode0", "aborted.released") == 1
+        assert faults.delta(before, cluster, "prefill0", "cancelled.by_decode") == 1
 
 
 def test_malformed_side_channel_burst_during_load(cluster, reference):
@@ -244,7 +232,7 @@ def test_malformed_side_channel_burst_during_load(cluster, reference):
 
     expected = 20 * faults.NUM_MALFORMED  # every one counted, none let through
     assert wait_for(all_rejected, 10.0), rejected()
-    assert delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
+    assert faults.delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
     faults.assert_no_blocks_held(cluster)
 
 
@@ -256,18 +244,12 @@ def shape(name: str) -> tuple[str, dict[str, Any]]:
 
 
 def send_shape(cluster: Cluster, name: str, client_id: str = "") -> client.Reply:
-    headers = {"X-Request-Id": client_id or uuid.uuid4().hex}
-    return client.request(cluster.url, *shape(name), DEADLINE_S, headers)
+    return faults.send_named(cluster, name, DEADLINE_S, client_id)
 
 
 def assert_shape_pushed(cluster: Cluster, reference: workload.Outputs, name: str):
     """Workload request ``name`` is answered correctly through a push."""
-    time.sleep(1.0)
-    before = faults.counters(cluster)["decode0"]["fallback"]
-    reply = send_shape(cluster, name)
-    assert workload.mismatch(reference[name], reply) is None, name
-    time.sleep(1.0)
-    assert faults.counters(cluster)["decode0"]["fallback"] == before, "fell back"
+    faults.assert_pushed_named(cluster, reference, name, DEADLINE_S)
 
 
 def test_crafted_legs_reusing_a_live_transfer_id_hold_nothing(cluster, reference):
@@ -301,8 +283,8 @@ def test_crafted_legs_reusing_a_live_transfer_id_hold_nothing(cluster, reference
     assert {n: r.status for n, r in replies.items()} == {"p1": 200, "p2": 200}
     for name, reply in outputs.items():
         assert workload.mismatch(reference[name], reply) is None, name
-    assert delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
-    assert delta(before, cluster, "decode0", "rejected.duplicate") >= 1
+    assert faults.delta(before, cluster, "prefill0", "rejected.duplicate") >= 1
+    assert faults.delta(before, cluster, "decode0", "rejected.duplicate") >= 1
     faults.assert_no_blocks_held(cluster)
 
 
@@ -368,7 +350,7 @@ def _kill_prefill_then_check(
 
     assert_correct(reference, i, reply)  # decode prefilled it itself
     assert reply.total_s < 15.0, f"took {reply.total_s:.1f} s"
-    assert delta(before, cluster, "decode0", "receive_failed.peer_lost") >= 1
+    assert faults.delta(before, cluster, "decode0", "receive_failed.peer_lost") >= 1
     faults.set_faults(cluster)
     cluster.restart("prefill0")
     faults.wait_router_routes(cluster)
@@ -405,7 +387,7 @@ def test_kill_decode_while_it_waits_for_kv(cluster, reference):
     assert_clear_error(reply)  # no other decode to retry on
     assert reply.total_s < 15.0
     # Prefill frees the request's blocks on its own (decode went silent).
-    assert delta(before, cluster, "prefill0", "peer_lost") >= 1
+    assert faults.delta(before, cluster, "prefill0", "peer_lost") >= 1
     faults.set_faults(cluster)
     cluster.restart("decode0")
     faults.wait_router_routes(cluster)
