@@ -13,6 +13,7 @@ from kvpush.launcher import netns
 from kvpush.launcher.cluster import cluster_secret
 from kvpush.launcher.config import ClusterConfig
 from kvpush.launcher.instances import instance_command, plan_instances
+from kvpush.launcher.serve import ServeConfig
 from kvpush.side_channel_auth import SECRET_ENV
 
 
@@ -93,3 +94,23 @@ def test_a_kvpush_rehearsal_gets_a_secret_of_its_own(
     assert cluster_secret(ClusterConfig(mode="kvpush"), tmp_path / "x") is None
     insecure = ClusterConfig(mode="kvpush", hosts="netns", insecure_side_channel=True)
     assert cluster_secret(insecure, tmp_path / "y") is None
+
+
+def test_a_rehearsal_host_runs_what_kvpush_serve_runs_there(tmp_path: Path) -> None:
+    """README's claim: each rehearsal instance gets the command line that
+    ``kvpush serve`` would run on a real host with that address."""
+    config = ClusterConfig(mode="kvpush", hosts="netns", cores=(0,))
+    prefill = plan_instances(config, tmp_path, _plan(tmp_path))[0]
+    alone = ServeConfig(
+        role="prefill",
+        mode="kvpush",
+        name="prefill0",
+        host="10.250.7.10",
+        core=0,
+        run_dir=tmp_path,
+    )
+    assert alone.spec() == prefill
+    model = tmp_path / "model"
+    assert instance_command(alone, prefill, model) == instance_command(
+        config, prefill, model
+    )
