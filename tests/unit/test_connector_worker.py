@@ -157,7 +157,7 @@ class Decode:
 
 def assert_idle(worker: DecodeWorker) -> None:
     """Nothing is held for any transfer (per-peer connection state aside)."""
-    ignore = {"_greeted", "_connected", "_prefill_boots"}
+    ignore = {"_greeted", "_connected", "_prefill_boots", "_to_reconcile"}
     assert leftovers(worker, ignore=ignore) == {}
     assert leftovers(worker._receiver) == {}
     assert worker.reserved_blocks() == 0

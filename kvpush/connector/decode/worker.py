@@ -78,7 +78,7 @@ class DecodeWorker:
         self._greeted: set[Address] = set()  # Hello sent since (re)connect
         self._connected: set[Address] = set()
         self._prefill_boots: dict[Address, str] = {}  # from their HelloReply
-        self._to_reconcile: set[Address] = set()  # lost off loopback since
+        self._to_reconcile: set[Address] = set()  # went down off loopback
         self._receiver = Receiver(config.registration_ttl_s, self.counters)
         self._heartbeats = Heartbeats(
             config.engine_id,
