@@ -4,7 +4,10 @@ Module map. Pure core: ``config`` (BenchConfig, presets), ``lengths``
 (length distributions), ``workload`` (requests and arrivals from the seed),
 ``records`` (the raw per-request record), ``stats`` (TTFT, TPOT, ITL,
 percentiles), ``timeline`` (server timelines and the handover phases),
-``summary`` (the typed summary.json), ``report`` (markdown), ``sections``
+``summary`` (the typed summary.json), ``report`` (markdown) and
+``report_net`` (its multi-host rehearsal parts), ``links`` (bytes over the
+rehearsal links, CPU per GiB), ``bandwidth`` (achieved MiB/s per KV
+transfer, from kvpush's traces or vLLM's NIXL histograms), ``sections``
 (marked sections of BENCHMARKS.md; the soak, ``kvpush.soak``, writes one
 too). I/O shells:
 ``inputs`` (model, tokenizer, traces), ``client`` (streaming HTTP),

@@ -1,8 +1,9 @@
 """``kvpush bench``: its flags, and the command that runs it.
 
-Every flag except ``--preset``/``--quick``, ``--config``, ``--publish`` and
-``--render`` is a :class:`BenchConfig` field (the same names in a config
-file). Lists are comma-separated (``--qps 1,2,4``).
+Every flag except ``--preset``/``--quick``, ``--config``, ``--publish``,
+``--section``, ``--title`` and ``--render`` is a :class:`BenchConfig` field
+(the same names in a config file). Lists are comma-separated (``--qps
+1,2,4``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--model-layers", "model_layers", int, "generate a model with this many layers"),
     ("--model-hidden-size", "model_hidden_size", int, "... and this hidden size"),
     ("--model-kv-heads", "model_kv_heads", int, "... and this many KV heads"),
+    ("--model-head-dim", "model_head_dim", int, "... of this size (64)"),
     ("--dtype", "dtype", None, "model dtype (float32)"),
     ("--max-model-len", "max_model_len", int, "per instance (4096)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "per instance"),
@@ -51,6 +53,10 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--base-side-channel-port", "base_side_channel_port", int,
      "first NIXL side-channel port (29000)"),
     ("--startup-timeout-s", "startup_timeout_s", float, "per cluster (300)"),
+    ("--hosts", "hosts", None, "local (default) or netns: each instance on its "
+     "own rehearsal host (network namespace; needs root)"),
+    ("--link-gbit", "link_gbit", None, "with --hosts netns: the hosts' shaped "
+     "link rates in Gbit/s, e.g. 1,4,10; each rate a fresh set of clusters"),
 )  # fmt: skip
 _NOT_IN_COMMAND = ("output_dir",)
 
@@ -78,6 +84,12 @@ def add_parser(sub: Any) -> None:
         help="also write ROOT/BENCHMARKS.md and ROOT/docs/bench/*.png (ROOT: .)",
     )  # fmt: skip
     p.add_argument(
+        "--section", metavar="NAME",
+        help="with --publish: write only section NAME of BENCHMARKS.md (between "
+        "its <!-- NAME:begin/end --> markers) and docs/bench/NAME/*.png",
+    )  # fmt: skip
+    p.add_argument("--title", help="the report's title")
+    p.add_argument(
         "--render", type=Path, metavar="DIR",
         help="redo report and plots of an earlier run in DIR; runs nothing",
     )  # fmt: skip
@@ -85,7 +97,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _metavar(dest: str) -> str:
-    if dest in ("configs", "qps", "concurrency", "prompt_len_sweep"):
+    if dest in ("configs", "qps", "concurrency", "prompt_len_sweep", "link_gbit"):
         return "LIST"
     if dest in ("prompt_len", "output_len"):
         return "LENGTHS"
@@ -111,6 +123,9 @@ def command_line(args: argparse.Namespace) -> str:
         words += ["--publish"] + (
             [] if args.publish == Path(".") else [str(args.publish)]
         )
+    for flag, value in (("--section", args.section), ("--title", args.title)):
+        if value is not None:
+            words += [flag, value]
     return shlex.join(words)
 
 
@@ -132,16 +147,21 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def run_command(args: argparse.Namespace) -> int:
     from kvpush.bench.outputs import publish, write_outputs
     from kvpush.bench.screen import print_summary
+    from kvpush.bench.sections import check_section_name
     from kvpush.bench.summary import load_summary
 
     console = Console()
+    if args.section is not None and args.publish is None:
+        raise ValueError("--section names where --publish writes: add --publish")
+    if args.section is not None:
+        check_section_name(args.section)
     if args.render:
         out_dir, summary = args.render, load_summary(args.render)
     else:
         out_dir, summary = _run(args, console)
-    files = write_outputs(out_dir, summary)
+    files = write_outputs(out_dir, summary, args.title)
     if args.publish is not None:
-        files += publish(out_dir, summary, args.publish)
+        files += publish(out_dir, summary, args.publish, args.section, args.title)
     print_summary(console, summary, files)
     return 0 if all(c.status == "ok" for c in summary.configs) else 1
 

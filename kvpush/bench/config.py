@@ -18,6 +18,8 @@ from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
 
 ARRIVALS = ("poisson", "concurrency")
+HOSTS = ("local", "netns")  # as kvpush up --hosts
+MAX_LINK_GBIT = 100.0  # as kvpush up --link-gbit
 DEFAULT_CONFIGS = ("colocated", "vllm-pull", "vllm-push", "kvpush")
 
 # Presets are partial configs applied before the file and the flags.
@@ -49,6 +51,13 @@ class BenchConfig:
     load given. ``shared_prefix_fraction`` of every prompt is a prefix
     common to all requests of a point. ``model_*`` pick a model size other
     than the tiny default (built on first use); ``model`` a model directory.
+
+    ``hosts="netns"`` runs every cluster on the multi-host rehearsal (each
+    instance in its own network namespace, see
+    :mod:`kvpush.launcher.netns`); each rate of ``link_gbit`` (Gbit/s, the
+    hosts' shaped egress) then gets a fresh set of clusters, every
+    configuration side by side at that rate. An empty ``link_gbit`` leaves
+    the links unshaped.
     """
 
     configs: tuple[str, ...] = DEFAULT_CONFIGS
@@ -58,6 +67,7 @@ class BenchConfig:
     model_layers: int | None = None
     model_hidden_size: int | None = None
     model_kv_heads: int | None = None
+    model_head_dim: int | None = None
     dtype: str = "float32"
     max_model_len: int = 4096
     max_num_batched_tokens: int | None = None
@@ -79,6 +89,8 @@ class BenchConfig:
     base_http_port: int = 28100
     base_side_channel_port: int = 29000
     startup_timeout_s: float = 300.0
+    hosts: str = "local"
+    link_gbit: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         self._check_configs()
@@ -96,9 +108,43 @@ class BenchConfig:
         require(self.request_timeout_s > 0, "request_timeout_s must be positive")
         require(self.num_timeline_requests >= 0, "num_timeline_requests must be >= 0")
         self._check_model()
+        self._check_hosts()
+
+    def _check_hosts(self) -> None:
+        require(
+            self.hosts in HOSTS,
+            f"hosts must be one of {', '.join(HOSTS)}, not {self.hosts!r}",
+        )
+        if self.hosts == "local":
+            require(
+                not self.link_gbit,
+                "link_gbit shapes the rehearsal hosts' links: add --hosts netns "
+                "(or drop --link-gbit)",
+            )
+            return
+        require(
+            all(0 < g <= MAX_LINK_GBIT for g in self.link_gbit),
+            f"link_gbit rates must be in (0, {MAX_LINK_GBIT:g}] Gbit/s, "
+            f"not {list(self.link_gbit)}",
+        )
+        require(
+            len(set(self.link_gbit)) == len(self.link_gbit),
+            f"link_gbit lists a rate twice: {list(self.link_gbit)}",
+        )
+
+    @property
+    def link_rates(self) -> tuple[float | None, ...]:
+        """The link rate of each set of clusters, in order (None: unshaped,
+        or not a rehearsal)."""
+        return self.link_gbit or (None,)
 
     def _check_model(self) -> None:
-        sizes = ("model_layers", "model_hidden_size", "model_kv_heads")
+        sizes = (
+            "model_layers",
+            "model_hidden_size",
+            "model_kv_heads",
+            "model_head_dim",
+        )
         for name in sizes:
             value = getattr(self, name)
             require(value is None or value >= 1, f"{name} must be >= 1 (or unset)")
@@ -197,8 +243,9 @@ _TUPLES = {
     "qps": float,
     "concurrency": int,
     "prompt_len_sweep": int,
+    "link_gbit": float,
 }
-_STRINGS = ("prompt_len", "output_len")
+_STRINGS = ("prompt_len", "output_len", "hosts")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -232,6 +279,8 @@ def _convert(key: str, value: Any) -> Any:
         if key in _PATHS:
             return Path(value).expanduser()
         if key in _TUPLES:
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                value = [value]  # one value where a list is allowed
             items = value.split(",") if isinstance(value, str) else value
             return tuple(_item(_TUPLES[key], v) for v in items)
         if key in _STRINGS:

@@ -19,11 +19,13 @@ from kvpush.model import ModelSpec, default_model_dir, ensure_model
 
 def model_spec(config: BenchConfig) -> ModelSpec | None:
     """The spec of a non-default model size (None: the default tiny model)."""
-    if (config.model_layers, config.model_hidden_size, config.model_kv_heads) == (
-        None,
-        None,
-        None,
-    ):
+    sizes = (
+        config.model_layers,
+        config.model_hidden_size,
+        config.model_kv_heads,
+        config.model_head_dim,
+    )
+    if sizes == (None, None, None, None):
         return None
     base = ModelSpec()
     kv_heads = config.model_kv_heads or base.num_kv_heads
@@ -34,6 +36,7 @@ def model_spec(config: BenchConfig) -> ModelSpec | None:
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv_heads,
+        head_dim=config.model_head_dim or base.head_dim,
         intermediate_size=2 * hidden,
     )
 
@@ -49,12 +52,19 @@ def resolve_model(config: BenchConfig, console: Console) -> Path:
     if spec is None:
         target, spec = default_model_dir(home), ModelSpec()
     else:
-        name = (
-            f"tiny-qwen3-l{spec.num_layers}-h{spec.hidden_size}-kv{spec.num_kv_heads}"
-        )
+        name = model_dir_name(spec)
         target = home / "models" / name
     with console.status(f"preparing the model in {target}"):
         return ensure_model(target, spec)
+
+
+def model_dir_name(spec: ModelSpec) -> str:
+    """The directory name of a generated model size (the head size only
+    when it is not the tiny model's, so older names stay)."""
+    name = f"tiny-qwen3-l{spec.num_layers}-h{spec.hidden_size}-kv{spec.num_kv_heads}"
+    if spec.head_dim != ModelSpec().head_dim:
+        name += f"-d{spec.head_dim}"
+    return name
 
 
 def describe_model(model_dir: Path) -> str:
@@ -67,7 +77,8 @@ def describe_model(model_dir: Path) -> str:
         f"{cfg.get('num_hidden_layers', '?')} layers",
         f"hidden {cfg.get('hidden_size', '?')}",
         f"{cfg.get('num_attention_heads', '?')} heads / "
-        f"{cfg.get('num_key_value_heads', '?')} KV heads",
+        f"{cfg.get('num_key_value_heads', '?')} KV heads of "
+        f"{cfg.get('head_dim', '?')}",
         f"vocab {cfg.get('vocab_size', '?')}",
     ]
     return f"{model_dir.name} ({', '.join(shape)})"

@@ -6,6 +6,9 @@
 - a timeline of a few requests of the first point per configuration, each
   from its own send: waiting for the first token, then decoding, with the
   server's handover phases drawn inside where timelines exist.
+
+On a rehearsal swept over link rates every configuration at every rate is
+a series of its own (``kvpush @4 Gbit/s``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import matplotlib.pyplot as plt
 from kvpush.bench.records import RequestRecord
 from kvpush.bench.report import AXIS_NAMES, plot_files
 from kvpush.bench.stats import ttft_s
-from kvpush.bench.summary import BenchSummary
+from kvpush.bench.summary import BenchSummary, ConfigResult
 from kvpush.bench.timeline import MATCHED, Timeline
 
 DPI = 80
@@ -46,50 +49,60 @@ def write_plots(
 ) -> list[Path]:
     """Write every plot into ``out_dir``; returns their paths."""
     files = plot_files(summary.axis)
-    names = [c.name for c in summary.configs if c.status == "ok"]
+    runs = [c for c in summary.configs if c.status == "ok"]
     timeline_path = out_dir / files["timeline"]
     return [
-        _against_axis(summary, names, "ttft_ms", "TTFT", out_dir / files["ttft"]),
-        _against_axis(summary, names, "tpot_ms", "TPOT", out_dir / files["tpot"]),
-        _cdf(summary, names, records, out_dir / files["cdf"]),
-        _timeline(names, records, timelines, num_timeline_requests, timeline_path),
+        _against_axis(summary, runs, "ttft_ms", "TTFT", out_dir / files["ttft"]),
+        _against_axis(summary, runs, "tpot_ms", "TPOT", out_dir / files["tpot"]),
+        _cdf(summary, runs, records, out_dir / files["cdf"]),
+        _timeline(runs, records, timelines, num_timeline_requests, timeline_path),
     ]
 
 
-def _color(names: Sequence[str], name: str) -> str:
-    return _COLORS[names.index(name) % len(_COLORS)]
+def _color(runs: Sequence[ConfigResult], run: ConfigResult) -> str:
+    return _COLORS[runs.index(run) % len(_COLORS)]
+
+
+def _mine(records: Sequence[RequestRecord], run: ConfigResult) -> list[RequestRecord]:
+    """The records of one configuration at its link rate."""
+    return [r for r in records if r.config == run.name and r.link_gbit == run.link_gbit]
 
 
 def _against_axis(
-    summary: BenchSummary, names: Sequence[str], field: str, what: str, path: Path
+    summary: BenchSummary,
+    runs: Sequence[ConfigResult],
+    field: str,
+    what: str,
+    path: Path,
 ) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     xs = [p.x for p in summary.points]
-    for name in names:
+    for run in runs:
         for pct, style in (("p50", "-o"), ("p99", "--^")):
-            ys = [_value(summary, name, p.index, field, pct) for p in summary.points]
-            ax.plot(xs, ys, style, color=_color(names, name), label=f"{name} {pct}")
+            ys = [_value(run, p.index, field, pct) for p in summary.points]
+            color, label = _color(runs, run), f"{run.label} {pct}"
+            ax.plot(xs, ys, style, color=color, label=label)
     ax.set_xlabel(AXIS_NAMES.get(summary.axis, summary.axis))
     ax.set_ylabel(f"{what} (ms)")
     ax.set_title(f"{what} p50 (solid) and p99 (dashed)")
-    _log_if_wide(ax, summary, names, field)
+    _log_if_wide(ax, summary, runs, field)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
     return _save(fig, path)
 
 
-def _value(summary: BenchSummary, name: str, point: int, field: str, pct: str) -> float:
-    stats = summary.stats(name, point)
-    dist = getattr(stats, field) if stats is not None else None
+def _value(run: ConfigResult, point: int, field: str, pct: str) -> float:
+    result = run.point(point)
+    dist = getattr(result.stats, field) if result is not None else None
     return float(getattr(dist, pct)) if dist is not None else float("nan")
 
 
 def _log_if_wide(
-    ax: Any, summary: BenchSummary, names: Sequence[str], field: str
+    ax: Any, summary: BenchSummary, runs: Sequence[ConfigResult], field: str
 ) -> None:
     values = [
-        _value(summary, n, p.index, field, pct)
-        for n in names
+        _value(run, p.index, field, pct)
+        for run in runs
         for p in summary.points
         for pct in ("p50", "p99")
     ]
@@ -100,7 +113,7 @@ def _log_if_wide(
 
 def _cdf(
     summary: BenchSummary,
-    names: Sequence[str],
+    runs: Sequence[ConfigResult],
     records: Sequence[RequestRecord],
     path: Path,
 ) -> Path:
@@ -112,16 +125,17 @@ def _cdf(
     )
     for slot, info in enumerate(summary.points):
         ax = axes[slot // cols][slot % cols]
-        for name in names:
+        for run in runs:
             values = sorted(
                 1000 * t
-                for r in records
-                if r.config == name and r.point == info.index
+                for r in _mine(records, run)
+                if r.point == info.index
                 if (t := ttft_s(r)) is not None
             )
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
-                ax.step(values, ys, where="post", color=_color(names, name), label=name)
+                color = _color(runs, run)
+                ax.step(values, ys, where="post", color=color, label=run.label)
         ax.set_title(info.label, fontsize="medium")
         ax.set_xlabel("TTFT (ms)")
         ax.set_xscale("log")
@@ -135,24 +149,24 @@ def _cdf(
 
 
 def _timeline(
-    names: Sequence[str],
+    runs: Sequence[ConfigResult],
     records: Sequence[RequestRecord],
     timelines: Mapping[str, Mapping[str, Timeline]],
     num_requests: int,
     path: Path,
 ) -> Path:
-    rows = max(1, len(names))
+    rows = max(1, len(runs))
     height = 1.2 + (0.25 * max(num_requests, 2) + 0.3) * rows
     fig, axes = plt.subplots(rows, 1, figsize=(7.0, height), squeeze=False, sharex=True)
     first_point = min((r.point for r in records), default=0)
     has_server = False
-    for ax, name in zip([a[0] for a in axes], names, strict=False):
+    for ax, run in zip([a[0] for a in axes], runs, strict=False):
         sample = sorted(
-            (r for r in records if r.config == name and r.point == first_point),
+            (r for r in _mine(records, run) if r.point == first_point),
             key=lambda r: r.index,
         )[:num_requests]
-        has_server |= _draw_requests(ax, sample, timelines.get(name, {}))
-        ax.set_ylabel(name, fontsize="small")
+        has_server |= _draw_requests(ax, sample, timelines.get(run.label, {}))
+        ax.set_ylabel(run.label, fontsize="small")
     axes[-1][0].set_xlabel("ms since the request was sent")
     labels = [("waiting for first token", "tab:gray"), ("decoding", "tab:blue")]
     labels.append(("failed", "tab:red"))

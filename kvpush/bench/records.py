@@ -30,6 +30,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
 
     config: str
     point: int
+    link_gbit: float | None = None  # the rehearsal links' rate, if shaped
     index: int
     bench_id: str
     prompt_len: int

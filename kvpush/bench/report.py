@@ -4,15 +4,19 @@ One table per sweep point with every configuration's figures, then the
 ratios to ``colocated`` and to ``vllm-pull`` from the same run, the handover
 decomposition where a configuration wrote server timelines, and each
 instance's CPU and memory. ``BENCHMARKS.md`` is the same report with a
-different title, preamble and image folder.
+different title, preamble and image folder. A multi-host rehearsal's run
+repeats the point sections per link rate and adds the parts of
+:mod:`kvpush.bench.report_net` (overhead, bytes over the links, bandwidth
+per transfer).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvpush.bench.report_net import hosts_line, rehearsal_sections
 from kvpush.bench.stats import Dist, PointStats, ratio
-from kvpush.bench.summary import BenchSummary, PointInfo
+from kvpush.bench.summary import BenchSummary, PointInfo, rate
 from kvpush.bench.timeline import HandoverStats
 from kvpush.bench.writes import descriptor_line
 
@@ -39,7 +43,11 @@ def render_report(
     """The whole report as markdown; images are linked under ``image_dir``."""
     parts = [f"# {title}", preamble, _run_line(summary), _headline(summary)]
     parts += [_setup(summary), _config_status(summary)]
-    parts += [_point_section(summary, info) for info in summary.points]
+    parts += rehearsal_sections(summary, table)
+    for link in summary.link_rates:
+        at_link = summary.at_link(link)
+        prefix = "" if link is None else f"{rate(link)}, "
+        parts += [_point_section(at_link, info, prefix) for info in summary.points]
     parts += [_descriptors(summary), _resources(summary), _plots(summary, image_dir)]
     parts += [_DEFINITIONS]
     return "\n\n".join(p.strip() for p in parts if p.strip()) + "\n"
@@ -54,18 +62,21 @@ def _run_line(summary: BenchSummary) -> str:
 
 def _headline(summary: BenchSummary) -> str:
     """TTFT p50/p99 and TPOT p50 per configuration and point, in one table."""
-    names = _ran(summary)
+    names = list(dict.fromkeys(_ran(summary)))
     if not names or not summary.points:
         return ""
     header = ["point", *names]
     rows = []
-    for info in summary.points:
-        cells = [info.label]
-        for name in names:
-            st = summary.stats(name, info.index)
-            ttft, tpot = (st.ttft_ms, st.tpot_ms) if st else (None, None)
-            cells.append(f"{_ms(ttft, 'p50')} / {_ms(ttft, 'p99')}, {_ms(tpot, 'p50')}")
-        rows.append(cells)
+    for link in summary.link_rates:
+        at_link = summary.at_link(link)
+        for info in summary.points:
+            cells = [info.label if link is None else f"{rate(link)}, {info.label}"]
+            for name in names:
+                st = at_link.stats(name, info.index)
+                ttft, tpot = (st.ttft_ms, st.tpot_ms) if st else (None, None)
+                p50, p99 = _ms(ttft, "p50"), _ms(ttft, "p99")
+                cells.append(f"{p50} / {p99}, {_ms(tpot, 'p50')}")
+            rows.append(cells)
     return (
         "## Headline\n\nTTFT p50 / TTFT p99, TPOT p50 in ms, per configuration "
         "and sweep point.\n\n" + table(header, rows)
@@ -87,8 +98,9 @@ def _setup(summary: BenchSummary) -> str:
         f"prefill + {s.get('num_decode')} decode; one core per instance, the "
         "kvpush router in front of each",
         f"- **Workload:** {_workload_line(s)}",
+        hosts_line(summary),
     ]
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line)
 
 
 def _workload_line(s: dict[str, object]) -> str:
@@ -110,11 +122,11 @@ def _config_status(summary: BenchSummary) -> str:
     if not notes:
         return ""
     lines = ["## Configurations not measured", ""]
-    lines += [f"- **{c.name}** {c.status}: {c.reason}" for c in notes]
+    lines += [f"- **{c.label}** {c.status}: {c.reason}" for c in notes]
     return "\n".join(lines)
 
 
-def _point_section(summary: BenchSummary, info: PointInfo) -> str:
+def _point_section(summary: BenchSummary, info: PointInfo, prefix: str = "") -> str:
     names = _ran(summary)
     arrival = (
         f"Poisson {info.load:g} req/s"
@@ -122,7 +134,7 @@ def _point_section(summary: BenchSummary, info: PointInfo) -> str:
         else (f"concurrency {info.load:g}")
     )
     head = (
-        f"## {info.label}\n\n{info.num_requests} requests, {arrival}, "
+        f"## {prefix}{info.label}\n\n{info.num_requests} requests, {arrival}, "
         f"prompt {info.prompt_len} tokens."
     )
     stats = {n: summary.stats(n, info.index) for n in names}
@@ -253,7 +265,7 @@ def handover_table(handover: HandoverStats) -> str:
 def _descriptors(summary: BenchSummary) -> str:
     """WRITE descriptor counts of the configurations that trace them."""
     lines = [
-        descriptor_line(c.name, c.descriptors)
+        descriptor_line(c.label, c.descriptors)
         for c in summary.configs
         if c.descriptors is not None
     ]
@@ -265,7 +277,7 @@ def _resources(summary: BenchSummary) -> str:
     for config in summary.configs:
         for u in config.usage:
             rows.append([
-                config.name, u.name, u.role, f"{u.cpu_cores:.2f}",
+                config.label, u.name, u.role, f"{u.cpu_cores:.2f}",
                 f"{u.cpu_s:.1f}", f"{u.peak_rss_mb:.0f}",
             ])  # fmt: skip
     if not rows:
@@ -285,7 +297,8 @@ def _load_table(summary: BenchSummary) -> str:
         if c.load is None:
             continue
         loads = (c.load.machine_cores, c.load.cluster_cores, c.load.client_cores)
-        rows.append([c.name, *(f"{v:.2f}" for v in (*loads, c.load.background_cores))])
+        cells = (*loads, c.load.background_cores)
+        rows.append([c.label, *(f"{v:.2f}" for v in cells)])
     if not rows:
         return ""
     return (

@@ -6,6 +6,12 @@ results), run every sweep point while sampling each instance's CPU and
 memory, read any server timelines, stop the cluster. A configuration that
 cannot start is recorded as skipped (refused, e.g. not available yet) or
 failed (it crashed or never became ready) and the run goes on.
+
+On the multi-host rehearsal (``hosts="netns"``) every link rate gets its
+own set of clusters, one per configuration, and each point is also
+bracketed by readings of every host's link counters (:mod:`links`) and,
+for vLLM's NIXL connectors, of their transfer histograms on ``/metrics``
+(:mod:`bandwidth`); kvpush's WRITEs are timed from its traces.
 """
 
 from __future__ import annotations
@@ -30,6 +36,17 @@ from rich.progress import (
 )
 
 from kvpush.bench import client, loadgen
+from kvpush.bench.bandwidth import (
+    TRANSFER_KIND,
+    BandwidthStats,
+    NixlTransfers,
+    TransferSample,
+    from_nixl,
+    from_samples,
+    in_window,
+    parse_nixl_transfers,
+    read_write_samples,
+)
 from kvpush.bench.config import BenchConfig
 from kvpush.bench.inputs import (
     describe_model,
@@ -37,6 +54,7 @@ from kvpush.bench.inputs import (
     normal_token_ids,
     resolve_model,
 )
+from kvpush.bench.links import LinkUsage, link_usage, read_links
 from kvpush.bench.records import (
     REQUESTS_FILE,
     RequestRecord,
@@ -64,7 +82,23 @@ from kvpush.bench.workload import (
 )
 from kvpush.bench.writes import DescriptorStats, read_write_sizes, summarize_writes
 from kvpush.launcher import ClusterConfig, down, up
+from kvpush.launcher.netns import LinkBytes, NetnsError
 from kvpush.launcher.state import RunState
+from kvpush.model.kv_size import kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cluster of the benchmark: a configuration at a link rate."""
+
+    name: str
+    link_gbit: float | None
+    cluster: ClusterConfig
+
+    @property
+    def run_dir(self) -> Path:
+        assert self.cluster.run_dir is not None  # the plan always sets one
+        return self.cluster.run_dir
 
 
 @dataclass(frozen=True)
@@ -76,7 +110,8 @@ class Plan:
     out_dir: Path
     points: tuple[PointWorkload, ...]
     warmup: PointWorkload
-    clusters: dict[str, ClusterConfig]
+    runs: tuple[Run, ...]
+    kv_bytes_per_token: int | None = None  # rehearsals: for the link tables
 
 
 def default_output_dir() -> Path:
@@ -96,17 +131,36 @@ def prepare(config: BenchConfig, console: Console) -> Plan:
     points = tuple(build_point(config, p, vocab, traces) for p in sweep_points(config))
     warmup = build_warmup(config, points, vocab)
     check_fits([*points, warmup], config.max_model_len)
-    clusters = {
-        name: cluster_config(config, name, model, out_dir / "clusters" / name)
+    runs = tuple(
+        Run(
+            name,
+            rate,
+            cluster_config(config, name, model, _run_dir(out_dir, name, rate), rate),
+        )
+        for rate in config.link_rates
         for name in config.configs
-    }
+    )
+    per_token = (
+        kv_bytes_per_token(model, config.dtype) if config.hosts == "netns" else None
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
-    return Plan(config, model, out_dir, points, warmup, clusters)
+    return Plan(config, model, out_dir, points, warmup, runs, per_token)
+
+
+def _run_dir(out_dir: Path, name: str, link_gbit: float | None) -> Path:
+    folder = name if link_gbit is None else f"{name}-{link_gbit:g}gbit"
+    return out_dir / "clusters" / folder
 
 
 def cluster_config(
-    config: BenchConfig, mode: str, model: Path, run_dir: Path
+    config: BenchConfig,
+    mode: str,
+    model: Path,
+    run_dir: Path,
+    link_gbit: float | None = None,
 ) -> ClusterConfig:
+    """The cluster of configuration ``mode`` (at ``link_gbit`` on a
+    rehearsal)."""
     is_pd = mode != "colocated"
     return ClusterConfig(
         mode=mode,
@@ -122,6 +176,8 @@ def cluster_config(
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_space_gb=config.kv_cache_space_gb,
         startup_timeout_s=config.startup_timeout_s,
+        hosts=config.hosts,
+        link_gbit=link_gbit,
     )
 
 
@@ -140,8 +196,8 @@ def run_bench(plan: Plan, console: Console, command: str) -> BenchSummary:
         },
         points=[point_info(w) for w in plan.points],
     )
-    for name in plan.config.configs:
-        summary.configs.append(run_config(plan, name, console))
+    for run in plan.runs:
+        summary.configs.append(run_config(plan, run, console))
         summary.duration_s = time.monotonic() - started
         save_summary(summary, plan.out_dir)
     summary.finished_at = dt.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -158,34 +214,43 @@ def point_info(workload: PointWorkload) -> PointInfo:
     )  # fmt: skip
 
 
-def run_config(plan: Plan, name: str, console: Console) -> ConfigResult:
-    """Start, warm up, measure and stop one configuration."""
-    console.rule(f"[bold]{name}")
-    cluster = plan.clusters[name]
+def run_config(plan: Plan, run: Run, console: Console) -> ConfigResult:
+    """Start, warm up, measure and stop one configuration's cluster."""
+    name, label = run.name, _label(run)
+    console.rule(f"[bold]{label}")
     try:
-        state = up(cluster, console)
+        state = up(run.cluster, console)
     except ValueError as e:
-        console.print(f"[bold yellow]skipping {name}:[/] {e}")
-        return ConfigResult(name=name, status="skipped", reason=str(e))
+        console.print(f"[bold yellow]skipping {label}:[/] {e}")
+        return ConfigResult(
+            name=name, link_gbit=run.link_gbit, status="skipped", reason=str(e)
+        )
     except Exception as e:  # LaunchError or anything else while starting
-        console.print(f"[bold red]{name} failed to start:[/] {e}")
-        return _failed(name, e, cluster.run_dir)
+        console.print(f"[bold red]{label} failed to start:[/] {e}")
+        return _failed(run, e)
     monitor = ResourceMonitor(state.processes)
     monitor.start()
     try:
-        measured = asyncio.run(_measure(plan, name, state, monitor, console))
+        measured = asyncio.run(_measure(plan, run, state, monitor, console))
     except RuntimeError as e:
-        console.print(f"[bold red]{name} failed:[/] {e}")
-        return _failed(name, e, cluster.run_dir)
+        console.print(f"[bold red]{label} failed:[/] {e}")
+        return _failed(run, e)
     finally:
         monitor.close()
-        with console.status(f"stopping {name}"):
-            down(_run_dir(plan, name))
+        with console.status(f"stopping {label}"):
+            down(run.run_dir)
     # Timelines are read once the cluster has stopped: a server may flush
     # them on the way out.
-    result = _result(plan, name, measured, monitor, _timelines(plan, name, console))
-    writes = _descriptor_stats(_run_dir(plan, name), Path(state.model), console)
+    traced = _traced(run, console)
+    result = _result(plan, run, state, measured, monitor, traced)
+    writes = _descriptor_stats(run.run_dir, Path(state.model), console)
     return msgspec.structs.replace(result, descriptors=writes)
+
+
+def _label(run: Run) -> str:
+    return (
+        run.name if run.link_gbit is None else f"{run.name} @{run.link_gbit:g} Gbit/s"
+    )
 
 
 def _descriptor_stats(
@@ -202,16 +267,30 @@ def _descriptor_stats(
         return None
 
 
-def _timelines(plan: Plan, name: str, console: Console) -> TimelineSet:
+@dataclass(frozen=True)
+class Traced:
+    """What a configuration's servers traced: timelines and WRITE times."""
+
+    timelines: TimelineSet
+    writes: list[TransferSample]
+
+
+def _traced(run: Run, console: Console) -> Traced:
     try:
-        return read_timelines(_run_dir(plan, name))
+        timelines = read_timelines(run.run_dir)
+        writes = read_write_samples(run.run_dir) if timelines else []
     except (OSError, ValueError) as e:
-        console.print(f"[bold yellow]{name}: server timelines ignored:[/] {e}")
-        return TimelineSet()
+        console.print(f"[bold yellow]{run.name}: server timelines ignored:[/] {e}")
+        return Traced(TimelineSet(), [])
+    return Traced(timelines, writes)
 
 
-def _run_dir(plan: Plan, name: str) -> Path:
-    return plan.clusters[name].run_dir or plan.out_dir
+@dataclass(frozen=True)
+class Meters:
+    """Readings taken right before the first point and after each one."""
+
+    links: list[dict[str, LinkBytes] | None]
+    nixl: list[NixlTransfers | None]
 
 
 @dataclass(frozen=True)
@@ -221,55 +300,95 @@ class Measured:
     warmup: WarmupResult
     records: list[list[RequestRecord]]  # per point
     marks: list[Mark]  # before the first point and after each
+    meters: Meters
 
 
-def _failed(name: str, error: BaseException, run_dir: Path | None) -> ConfigResult:
+def _failed(run: Run, error: BaseException) -> ConfigResult:
     return ConfigResult(
-        name=name,
+        name=run.name,
+        link_gbit=run.link_gbit,
         status="failed",
         reason=str(error).splitlines()[0] if str(error) else type(error).__name__,
-        run_dir=str(run_dir) if run_dir else None,
+        run_dir=str(run.run_dir),
     )
 
 
 async def _measure(
-    plan: Plan, name: str, state: RunState, monitor: ResourceMonitor, console: Console
+    plan: Plan, run: Run, state: RunState, monitor: ResourceMonitor, console: Console
 ) -> Measured:
     timeout = plan.config.request_timeout_s
+    meters = Meters(links=[], nixl=[])
     async with client.make_session() as session:
-        warmup = await _warm_up(plan, name, state, session, console)
+        warmup = await _warm_up(plan, run, state, session, console)
         marks: list[Mark] = [monitor.mark()]
+        await _read_meters(meters, state, session)
         measured: list[list[RequestRecord]] = []
         with _progress(console) as progress:
             for workload in plan.points:
                 task = progress.add_task(
-                    f"{name} {workload.point.label}",
+                    f"{_label(run)} {workload.point.label}",
                     total=len(workload.requests),
                     errors=0,
                 )
                 records = await loadgen.run_point(
-                    session, state.router_url, workload, name, timeout,
+                    session, state.router_url, workload, run.name, timeout,
                     _advance(progress, task),
                 )  # fmt: skip
+                marks.append(monitor.mark())
+                await _read_meters(meters, state, session)
+                for record in records:
+                    record.link_gbit = run.link_gbit
                 write_records(plan.out_dir / REQUESTS_FILE, records)
                 measured.append(records)
-                marks.append(monitor.mark())
-    return Measured(warmup, measured, marks)
+    return Measured(warmup, measured, marks, meters)
+
+
+async def _read_meters(
+    meters: Meters, state: RunState, session: aiohttp.ClientSession
+) -> None:
+    """Read the hosts' link counters and the NIXL histograms, where the
+    configuration has them (None where it has not, or a reading failed)."""
+    links = None
+    if state.network is not None:
+        try:
+            links = read_links(state.network)
+        except NetnsError:
+            links = None
+    meters.links.append(links)
+    urls = [p.url for p in state.processes if p.role != "router"]
+    wants_nixl = TRANSFER_KIND.get(state.mode, ("", ""))[1] == "NIXL telemetry"
+    meters.nixl.append(await _read_nixl(session, urls) if wants_nixl else None)
+
+
+async def _read_nixl(
+    session: aiohttp.ClientSession, urls: list[str]
+) -> NixlTransfers | None:
+    """The NIXL transfer histograms summed over the instances' /metrics."""
+    total = NixlTransfers()
+    try:
+        for url in urls:
+            timeout = aiohttp.ClientTimeout(total=10.0)
+            async with session.get(f"{url}/metrics", timeout=timeout) as resp:
+                resp.raise_for_status()
+                total = total.plus(parse_nixl_transfers(await resp.text()))
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+    return total
 
 
 async def _warm_up(
     plan: Plan,
-    name: str,
+    run: Run,
     state: RunState,
     session: aiohttp.ClientSession,
     console: Console,
 ) -> WarmupResult:
-    with console.status(f"{name}: {len(plan.warmup.requests)} warm-up requests"):
+    with console.status(f"{_label(run)}: {len(plan.warmup.requests)} warm-up requests"):
         records = await loadgen.run_point(
             session,
             state.router_url,
             plan.warmup,
-            name,
+            run.name,
             plan.config.request_timeout_s,
             lambda _r: None,
         )
@@ -280,7 +399,7 @@ async def _warm_up(
         first = records[0]
         raise RuntimeError(
             f"every warm-up request failed (first: {first.error} "
-            f"{first.error_detail}); see the logs in {plan.clusters[name].run_dir}"
+            f"{first.error_detail}); see the logs in {run.run_dir}"
         )
     return WarmupResult(
         num_requests=len(records), num_ok=len(ok), latencies_ms=latencies
@@ -289,36 +408,79 @@ async def _warm_up(
 
 def _result(
     plan: Plan,
-    name: str,
+    run: Run,
+    state: RunState,
     measured: Measured,
     monitor: ResourceMonitor,
-    timelines: TimelineSet,
+    traced: Traced,
 ) -> ConfigResult:
-    run_dir, marks = _run_dir(plan, name), measured.marks
+    marks = measured.marks
     points = [
         PointResult(
             point=workload.point.index,
             stats=summarize_point(records),
             handover=summarize_handover(
-                timelines, [r.bench_id for r in records], wall_window(records)
+                traced.timelines, [r.bench_id for r in records], wall_window(records)
             ),
             usage=monitor.usage(marks[i], marks[i + 1]),
             load=monitor.load(marks[i], marks[i + 1]),
+            links=_links(plan, state, measured.meters, i, records),
+            bandwidth=_bandwidth(run, state, measured.meters, i, records, traced),
         )
         for i, (workload, records) in enumerate(
             zip(plan.points, measured.records, strict=True)
         )
     ]
     return ConfigResult(
-        name=name,
+        name=run.name,
+        link_gbit=run.link_gbit,
         status="ok",
         points=points,
         usage=monitor.usage(marks[0], marks[-1]),
         load=monitor.load(marks[0], marks[-1]),
         warmup=measured.warmup,
-        run_dir=str(run_dir),
-        has_timelines=bool(timelines),
+        run_dir=str(run.run_dir),
+        has_timelines=bool(traced.timelines),
     )
+
+
+def _links(
+    plan: Plan,
+    state: RunState,
+    meters: Meters,
+    i: int,
+    records: list[RequestRecord],
+) -> LinkUsage | None:
+    """Point ``i``'s link bytes (None off the rehearsal)."""
+    before, after = meters.links[i], meters.links[i + 1]
+    if before is None or after is None or plan.kv_bytes_per_token is None:
+        return None
+    roles = {p.name: p.role for p in state.processes}
+    return link_usage(
+        before, after, roles, [r.prompt_len for r in records], plan.kv_bytes_per_token
+    )
+
+
+def _bandwidth(
+    run: Run,
+    state: RunState,
+    meters: Meters,
+    i: int,
+    records: list[RequestRecord],
+    traced: Traced,
+) -> BandwidthStats | None:
+    """Point ``i``'s KV transfers: kvpush's from its traces, vLLM's from the
+    NIXL histograms (None for colocated, or without readings)."""
+    if state.mode not in TRANSFER_KIND:
+        return None
+    kind, source = TRANSFER_KIND[state.mode]
+    if source == "kvpush trace":
+        window = in_window(traced.writes, wall_window(records))
+        return from_samples(window, kind, run.link_gbit)
+    before, after = meters.nixl[i], meters.nixl[i + 1]
+    if before is None or after is None:
+        return None
+    return from_nixl(after.minus(before), kind, run.link_gbit)
 
 
 def _progress(console: Console) -> Progress:

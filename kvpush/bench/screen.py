@@ -32,24 +32,26 @@ def print_summary(
     for config in summary.configs:
         if config.status != "ok":
             continue
+        at_link = summary.at_link(config.link_gbit)
         for info in summary.points:
-            st = summary.stats(config.name, info.index)
-            if st is None:
+            result = config.point(info.index)
+            if result is None:
                 continue
+            st = result.stats
             p50 = _pct(st.ttft_ms, "p50")
             table.add_row(
-                config.name, info.label, f"{st.num_ok}/{st.num_requests}",
+                config.label, info.label, f"{st.num_ok}/{st.num_requests}",
                 _fmt(p50), _fmt(_pct(st.ttft_ms, "p99")),
                 _fmt(_pct(st.tpot_ms, "p50")),
                 f"{st.output_throughput:.0f}",
-                _fmt(ratio(p50, _ref(summary, "colocated", info.index)), "x"),
-                _fmt(ratio(p50, _ref(summary, "vllm-pull", info.index)), "x"),
+                _fmt(ratio(p50, _ref(at_link, "colocated", info.index)), "x"),
+                _fmt(ratio(p50, _ref(at_link, "vllm-pull", info.index)), "x"),
             )  # fmt: skip
     console.print(table)
     for config in summary.configs:
         if config.status != "ok":
             console.print(
-                f"[bold yellow]{config.name} {config.status}:[/] {config.reason}"
+                f"[bold yellow]{config.label} {config.status}:[/] {config.reason}"
             )
     for path in files:
         console.print(f"  wrote {path}")

@@ -10,7 +10,9 @@ regenerates the whole file, and the soak (``python -m kvpush.soak
     <!-- soak:end -->
 
 The soak replaces its section (or appends it); the benchmark carries every
-section it finds in the old file over into the new one. Pure text functions.
+section it finds in the old file over into the new one, and ``kvpush bench
+--publish --section NAME`` (the multi-host rehearsal's runs) writes its
+report into section ``NAME`` instead of the whole file. Pure text functions.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import re
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+_BEGIN = re.compile(r"<!-- ([a-z][a-z0-9-]*):begin -->")
 
 
 def begin_marker(name: str) -> str:
@@ -66,6 +69,29 @@ def put_section(text: str, name: str, body: str) -> str:
         return text[: span[0]] + block + text[span[1] :]
     head = text.rstrip()
     return f"{head}\n\n{block}\n" if head else f"{block}\n"
+
+
+def section_names(text: str) -> list[str]:
+    """The names of the complete sections in ``text``, in order."""
+    return [m.group(1) for m in _BEGIN.finditer(text) if _span(text, m.group(1))]
+
+
+def check_section_name(name: str) -> str:
+    """``name`` if it can name a section, else ValueError."""
+    return _checked(name)
+
+
+def demote_headings(markdown: str) -> str:
+    """Every markdown heading one level down (``#`` -> ``##``), outside
+    fenced code blocks: a whole report as a section of another file."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,5} ", line):
+            line = "#" + line
+        out.append(line)
+    return "\n".join(out) + ("\n" if markdown.endswith("\n") else "")
 
 
 def carry_sections(old: str, new: str, names: tuple[str, ...]) -> str:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvpush.bench.bandwidth import BandwidthStats
+from kvpush.bench.links import LinkUsage
 from kvpush.bench.stats import PointStats
 from kvpush.bench.timeline import HandoverStats
 from kvpush.bench.writes import DescriptorStats
@@ -47,6 +49,8 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     handover: HandoverStats | None = None
     usage: list[InstanceUsage] = msgspec.field(default_factory=list)
     load: WindowLoad | None = None
+    links: LinkUsage | None = None  # --hosts netns: bytes over the links
+    bandwidth: BandwidthStats | None = None  # per KV transfer
 
 
 class WarmupResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,10 +61,13 @@ class WarmupResult(msgspec.Struct, frozen=True, kw_only=True):
 
 class ConfigResult(msgspec.Struct, frozen=True, kw_only=True):
     """One configuration's run: ``status`` ok, skipped (unavailable or
-    refused before anything started) or failed (with ``reason``)."""
+    refused before anything started) or failed (with ``reason``);
+    ``link_gbit``: the rehearsal links' rate it ran at (None: unshaped, or
+    not a rehearsal)."""
 
     name: str
     status: Status
+    link_gbit: float | None = None
     reason: str | None = None
     points: list[PointResult] = msgspec.field(default_factory=list)
     usage: list[InstanceUsage] = msgspec.field(default_factory=list)
@@ -72,6 +79,20 @@ class ConfigResult(msgspec.Struct, frozen=True, kw_only=True):
 
     def point(self, index: int) -> PointResult | None:
         return next((p for p in self.points if p.point == index), None)
+
+    @property
+    def label(self) -> str:
+        """The name, with the link rate where there is one."""
+        return (
+            self.name
+            if self.link_gbit is None
+            else f"{self.name} @{rate(self.link_gbit)}"
+        )
+
+
+def rate(link_gbit: float | None) -> str:
+    """A link rate as the report writes it."""
+    return "unshaped" if link_gbit is None else f"{link_gbit:g} Gbit/s"
 
 
 class PointInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +130,26 @@ class BenchSummary(msgspec.Struct, kw_only=True):
     @property
     def axis(self) -> str:
         return self.points[0].axis if self.points else "qps"
+
+    @property
+    def link_rates(self) -> list[float | None]:
+        """The link rate of each set of clusters, in run order."""
+        rates: list[float | None] = []
+        for c in self.configs:
+            if c.link_gbit not in rates:
+                rates.append(c.link_gbit)
+        return rates
+
+    @property
+    def is_rehearsal(self) -> bool:
+        """Whether the clusters ran on rehearsal hosts (--hosts netns)."""
+        return self.settings.get("hosts") == "netns"
+
+    def at_link(self, link_gbit: float | None) -> BenchSummary:
+        """This summary with only the configurations run at one link rate."""
+        return msgspec.structs.replace(
+            self, configs=[c for c in self.configs if c.link_gbit == link_gbit]
+        )
 
 
 def save_summary(summary: BenchSummary, out_dir: Path) -> Path:

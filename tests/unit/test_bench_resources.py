@@ -63,7 +63,9 @@ def test_a_busy_group_shows_cpu_and_memory_between_marks() -> None:
         monitor.close()
     [usage] = monitor.usage(before, after)
     load = monitor.load(before, after)
-    assert load.client_cores > 0.5  # this process burnt most of the window
+    # this process burnt 0.3 s of CPU in the window (however long other
+    # processes on a shared machine made it)
+    assert load.client_cores * (after.at - before.at) >= 0.25
     assert load.cluster_cores == pytest.approx(usage.cpu_cores, abs=0.01)
     assert load.machine_cores >= load.client_cores - 0.1
     assert load.background_cores >= 0
