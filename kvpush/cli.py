@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     _add_router_health_options(router)
+    _add_router_routing_options(router)
     router.set_defaults(func=_cmd_router)
     _add_drain(sub)
     add_bench_parser(sub)
@@ -96,6 +97,62 @@ def _add_router_health_options(p: argparse.ArgumentParser) -> None:
         type=int,
         help="attempts per request, retries on other instances included "
         "(default 2; 1 disables retries)",
+    )
+
+
+ROUTING_OPTIONS = (
+    "binding",
+    "skip_max_new_tokens",
+    "block_size",
+    "prefix_index_entries",
+    "session_header",
+    "signal_interval_s",
+    "signal_max_age_s",
+)
+
+
+def _add_router_routing_options(p: argparse.ArgumentParser) -> None:
+    """kvpush mode's routing options; unset ones keep RoutingConfig's defaults."""
+    p.add_argument(
+        "--binding",
+        choices=["auto", "early", "late", "skip"],
+        help="kvpush mode: auto decides per request (no prefill leg when the "
+        "chosen decode has few tokens to compute), early always sends both legs "
+        "at once, skip never sends a prefill leg; late is not yet supported "
+        "(default early)",
+    )
+    p.add_argument(
+        "--skip-max-new-tokens",
+        type=int,
+        help="auto: skip the prefill leg when decode would compute at most this "
+        "many tokens itself (default 256)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        help="tokens per block of the router's prefix index: the decodes' vLLM "
+        "--block-size (default 128, vLLM's CPU default)",
+    )
+    p.add_argument(
+        "--prefix-index-entries",
+        type=int,
+        help="bound of the prefix index, in (decode, block) entries; least "
+        "recently used evicted (default 65536, about 7 MB)",
+    )
+    p.add_argument(
+        "--session-header",
+        help="request header naming a conversation for decode affinity; the "
+        "OpenAI 'user' field is the fallback (default x-session-id)",
+    )
+    p.add_argument(
+        "--signal-interval-s",
+        type=float,
+        help="seconds between reads of each instance's /metrics (default 1.0)",
+    )
+    p.add_argument(
+        "--signal-max-age-s",
+        type=float,
+        help="a read older than this counts as unknown load (default 3.0)",
     )
 
 
@@ -260,6 +317,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_router(args: argparse.Namespace) -> int:
     from kvpush.router import RouterConfig, run_router
+    from kvpush.router.config import RoutingConfig
     from kvpush.topology import load_topology
 
     options = {
@@ -271,10 +329,16 @@ def _cmd_router(args: argparse.Namespace) -> int:
         )
         if getattr(args, name) is not None
     }
+    routing = {
+        name: getattr(args, name)
+        for name in ROUTING_OPTIONS
+        if getattr(args, name) is not None
+    }
     config = RouterConfig(
         topology=load_topology(args.topology),
         host=args.host,
         port=args.port,
+        routing=RoutingConfig(**routing),
         **options,
     )
     run_router(config)

@@ -32,6 +32,7 @@ from kvpush.router.errors import RouterError, bad_request
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.monitor import HealthMonitor, probe
 from kvpush.router.requests import Endpoint, parse_request
+from kvpush.router.routing import Routing
 from kvpush.router.selection import RoundRobinSelector, Selector
 from kvpush.topology import Backend
 
@@ -50,6 +51,7 @@ class RouterState:
     metrics: RouterMetrics
     health: HealthMonitor
     connector_events: connector_stats.ConnectorEvents
+    routing: Routing | None = None  # kvpush mode only
     session: aiohttp.ClientSession | None = None
 
     def client(self) -> aiohttp.ClientSession:
@@ -74,15 +76,22 @@ def build_app(
     metrics = RouterMetrics(config.mode)
     events = connector_stats.ConnectorEvents()
     metrics.register(events)
+    health = HealthMonitor(config, metrics)
+    routing = None
+    if config.mode == "kvpush":
+        routing = Routing(config, health.board, metrics)
+        health.down_listeners.append(routing.instance_down)
     app[STATE] = RouterState(
         config=config,
         selector=selector or RoundRobinSelector(),
         metrics=metrics,
-        health=HealthMonitor(config, metrics),
+        health=health,
         connector_events=events,
+        routing=routing,
     )
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_health_checks)  # cleaned up first: before the session
+    app.cleanup_ctx.append(_signal_reads)  # cleaned up before the health checks
     app.on_response_prepare.append(_echo_request_id)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -116,6 +125,18 @@ async def _health_checks(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await state.health.close()
+
+
+async def _signal_reads(app: web.Application) -> AsyncIterator[None]:
+    routing = app[STATE].routing
+    if routing is None:
+        yield
+        return
+    routing.start(app[STATE].client())
+    try:
+        yield
+    finally:
+        await routing.close()
 
 
 # -- middleware ------------------------------------------------------------
@@ -202,6 +223,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         metrics=state.metrics,
         health=state.health,
         started_at=started,
+        routing=state.routing,
     )
     return await serve(ctx)
 

@@ -6,14 +6,78 @@ nothing in the router reads the environment or mutates this object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvpush.router.binding import (
+    DEFAULT_SKIP_MAX_NEW_TOKENS,
+    BindingPolicy,
+    check_policy,
+)
+from kvpush.router.scoring import ScoreWeights
 from kvpush.topology import Topology
 
 # Modes the router has a flow for (see ``kvpush.router.dispatch.FLOWS``).
 SUPPORTED_MODES: tuple[str, ...] = ("colocated", "vllm-pull", "vllm-push", "kvpush")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How kvpush mode chooses instances and binding (``planner.py``).
+
+    ``binding``: ``auto`` decides per request, ``early`` or ``skip`` force
+    one (``late`` is refused until its protocol exists);
+    ``skip_max_new_tokens``: ``auto`` sends no prefill leg when the chosen
+    decode would compute at most this many tokens itself;
+    ``block_size``: tokens per block of the prefix index, vLLM's
+    ``--block-size`` of the decodes (128 on the CPU backend);
+    ``prefix_index_entries`` bounds the index ((decode, block) pairs);
+    ``session_header`` names the affinity header (the ``user`` field is the
+    fallback); ``affinity_slack``: a session's decode is kept while its score
+    is at most this much worse than the best one;
+    ``signal_interval_s`` is the pause between two scrapes of an instance's
+    ``/metrics``, ``signal_max_age_s`` the age past which a read is unknown;
+    ``tokenize_timeout_s`` bounds counting a prompt (``/tokenize``);
+    ``full_scan_max``: up to this many candidates all are scored, above it
+    two random ones (power of two choices).
+    """
+
+    binding: BindingPolicy = "early"
+    skip_max_new_tokens: int = DEFAULT_SKIP_MAX_NEW_TOKENS
+    block_size: int = 128
+    prefix_index_entries: int = 65536
+    session_header: str = "x-session-id"
+    affinity_slack: float = 4.0
+    signal_interval_s: float = 1.0
+    signal_max_age_s: float = 3.0
+    tokenize_timeout_s: float = 1.0
+    full_scan_max: int = 4
+    weights: ScoreWeights = field(default_factory=ScoreWeights)
+
+    def __post_init__(self) -> None:
+        check_policy(self.binding)
+        if self.skip_max_new_tokens < 0:
+            raise ValueError(
+                f"skip_max_new_tokens must be >= 0 (0: skip only full hits), "
+                f"not {self.skip_max_new_tokens}"
+            )
+        _check_count("block_size", self.block_size, "tokens (vLLM's --block-size)")
+        _check_count("prefix_index_entries", self.prefix_index_entries, "entries")
+        _check_count("full_scan_max", self.full_scan_max, "candidates")
+        if not self.session_header:
+            raise ValueError("session_header must name a header, e.g. x-session-id")
+        if self.affinity_slack < 0:
+            raise ValueError(f"affinity_slack must be >= 0, not {self.affinity_slack}")
+        _check_positive("signal_interval_s", self.signal_interval_s)
+        _check_positive("signal_max_age_s", self.signal_max_age_s)
+        _check_positive("tokenize_timeout_s", self.tokenize_timeout_s)
+        if self.signal_max_age_s < self.signal_interval_s:
+            raise ValueError(
+                f"signal_max_age_s ({self.signal_max_age_s}) must be at least "
+                f"signal_interval_s ({self.signal_interval_s}), or every read "
+                "is stale before the next"
+            )
 
 
 @dataclass(frozen=True)
@@ -32,7 +96,8 @@ class RouterConfig:
     retried on other instances while nothing has reached the client (1: never);
     ``shutdown_timeout_s`` is how long in-flight requests may finish on stop;
     ``max_body_bytes`` caps the size of an incoming request body (413 above).
-    ``port`` 0 asks the OS for a free port (tests use it).
+    ``port`` 0 asks the OS for a free port (tests use it);
+    ``routing``: kvpush mode's choice of instances and binding.
     """
 
     topology: Topology
@@ -46,6 +111,7 @@ class RouterConfig:
     max_attempts: int = 2
     shutdown_timeout_s: float = 10.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         self.topology.validate()
@@ -71,6 +137,11 @@ class RouterConfig:
             raise ValueError(
                 f"connect_timeout_s ({self.connect_timeout_s}) must not exceed "
                 f"request_timeout_s ({self.request_timeout_s}); lower it"
+            )
+        if self.routing.binding != "early" and self.mode != "kvpush":
+            raise ValueError(
+                f"binding {self.routing.binding!r} needs kvpush mode (this "
+                f"topology is {self.mode!r}); leave --binding at early"
             )
         if self.max_body_bytes < 1024:
             raise ValueError(

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -20,10 +20,14 @@ from kvpush.router.config import RouterConfig
 from kvpush.router.errors import RouterError
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.monitor import HealthMonitor
+from kvpush.router.planner import Prompt
 from kvpush.router.requests import ParsedRequest
 from kvpush.router.retry import Attempts
 from kvpush.router.selection import Selector, choose
 from kvpush.topology import Backend, Role
+
+if TYPE_CHECKING:
+    from kvpush.router.routing import Routing
 
 ABORT_WAIT_S = 2.0  # how long aborting waits for cancelled leg tasks to unwind
 
@@ -90,6 +94,9 @@ class FlowContext:
     prefill_answered_at: float | None = None  # monotonic; for the handover metric
     first_byte_at: float | None = None  # decode's first byte/SSE event
     held: list[str] = field(default_factory=list)  # in flight on, per the board
+    routing: Routing | None = None  # kvpush mode's planner
+    prompt: Prompt | None = None  # counted once per request (kvpush mode)
+    response_headers: dict[str, str] = field(default_factory=dict)  # this attempt's
 
     def __post_init__(self) -> None:
         self.attempts = Attempts(max_attempts=self.config.max_attempts)
@@ -120,10 +127,15 @@ class FlowContext:
             self.health.board,
             self.attempts.avoided,
         )
+        self.take(backend)
+        return backend
+
+    def take(self, backend: Backend) -> None:
+        """This attempt uses ``backend`` (chosen by ``pick`` or the planner):
+        it counts in flight there until :meth:`release`."""
         self.attempts.picked.append(backend)
         self.health.board.begin(backend.engine_id)
         self.held.append(backend.engine_id)
-        return backend
 
     def release(self) -> None:
         """This attempt is done with the backends it picked (after its legs
@@ -138,4 +150,5 @@ class FlowContext:
         await self.legs.abort()
         self.release()
         self.legs = Legs()
+        self.response_headers = {}
         self.attempts.start_next(err)

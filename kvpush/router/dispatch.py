@@ -149,14 +149,38 @@ async def push_flow(ctx: FlowContext) -> web.StreamResponse:
     def params(prefill: Backend, decode: Backend) -> tuple[Any, Any]:
         return None, PushDecodeParams.for_prefill(prefill, ctx.leg_request_id)
 
-    return await _concurrent_flow(ctx, params)
+    topology = ctx.config.topology
+    prefill = ctx.pick("prefill", topology.prefills)
+    decode = ctx.pick("decode", topology.decodes)
+    return await _concurrent_flow(ctx, params, prefill, decode)
 
 
 async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
-    """kvpush: both legs at once, paired exactly by a fresh transfer id (one
-    per attempt); each leg names the peer it needs (prefill: the decode engine
-    it pushes to; decode: the prefill engine and side channel it registers
-    with)."""
+    """kvpush: the planner (``routing.py``) chooses the decode, the binding
+    and, for a prefill leg, the prefill. Skip: decode alone gets the client's
+    body unchanged and computes what its prefix cache lacks. Early: both legs
+    at once (:func:`_early_flow`)."""
+    if ctx.routing is None:
+        raise RuntimeError("kvpush mode needs the router's Routing")
+    plan = await ctx.routing.plan(ctx)
+    ctx.take(plan.decode)
+    if plan.prefill is None:
+        response, first = await open_first(ctx, "decode", plan.decode, ctx.parsed.raw)
+        out = await relay(ctx, "decode", plan.decode, response, first)
+    else:
+        ctx.take(plan.prefill)
+        out = await _early_flow(ctx, plan.prefill, plan.decode)
+    ctx.routing.served(plan)
+    return out
+
+
+async def _early_flow(
+    ctx: FlowContext, prefill: Backend, decode: Backend
+) -> web.StreamResponse:
+    """kvpush early binding: both legs at once, paired exactly by a fresh
+    transfer id (one per attempt); each leg names the peer it needs (prefill:
+    the decode engine it pushes to; decode: the prefill engine and side
+    channel it registers with)."""
     transfer_id = uuid.uuid4().hex
     logger.debug(
         "request %s attempt %d: transfer %s",
@@ -176,22 +200,23 @@ async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
             ),
         )
 
-    return await _concurrent_flow(ctx, params)
+    return await _concurrent_flow(ctx, params, prefill, decode)
 
 
 async def _concurrent_flow(
-    ctx: FlowContext, make_params: Callable[[Backend, Backend], tuple[Any, Any]]
+    ctx: FlowContext,
+    make_params: Callable[[Backend, Backend], tuple[Any, Any]],
+    prefill: Backend,
+    decode: Backend,
 ) -> web.StreamResponse:
-    """Both legs at once; the client gets decode's answer.
+    """Both legs at once, to the chosen pair; the client gets decode's answer.
 
     ``make_params(prefill, decode)`` gives the two legs' ``kv_transfer_params``
     (None for prefill means vLLM's ``do_remote_decode``). Whichever leg fails
     before decode produced output decides the reply (or the retry); the other
     is aborted with the attempt. Prefill's answer is read and dropped.
     """
-    topology, parsed = ctx.config.topology, ctx.parsed
-    prefill = ctx.pick("prefill", topology.prefills)
-    decode = ctx.pick("decode", topology.decodes)
+    parsed = ctx.parsed
     prefill_params, decode_params = make_params(prefill, decode)
     prefill_task = ctx.legs.spawn(
         run_prefill(ctx, prefill, prefill_params), "prefill-leg"

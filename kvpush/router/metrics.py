@@ -34,6 +34,17 @@ class RouterMetrics:
         self.mode = mode
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
+        self._binding = Counter(
+            "kvpush_router_binding", "kvpush mode: binding of each attempt "
+            "(early: both legs at once; skip: no prefill leg) and why.",
+            ["mode", "binding", "reason"], registry=reg,
+        )  # fmt: skip
+        self._decode_choice = Counter(
+            "kvpush_router_decode_choice", "kvpush mode: why each attempt's "
+            "decode was chosen (affinity, spill: the session's decode was too "
+            "busy, prefix, load).",
+            ["mode", "reason"], registry=reg,
+        )  # fmt: skip
         self._requests = Counter(
             "kvpush_router_requests", "Client requests by result.",
             ["mode", "endpoint", "status"], registry=reg,
@@ -81,6 +92,14 @@ class RouterMetrics:
             "first (concurrent legs), so the decode-side wait after prefill.",
             ["mode"], buckets=HANDOVER_BUCKETS_S, registry=reg,
         ).labels(mode)  # fmt: skip
+
+    def binding(self, binding: str, reason: str) -> None:
+        """kvpush mode: one attempt's binding (early, skip) and its reason."""
+        self._binding.labels(self.mode, binding, reason).inc()
+
+    def decode_choice(self, reason: str) -> None:
+        """kvpush mode: why one attempt's decode was chosen."""
+        self._decode_choice.labels(self.mode, reason).inc()
 
     def request_started(self) -> None:
         self._in_flight.inc()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -66,6 +67,9 @@ class HealthMonitor:
         self._metrics = metrics
         self.board = HealthBoard(config.topology.backends, config.unhealthy_after)
         self._tasks: list[asyncio.Task[None]] = []
+        # Called with the engine id of each instance marked down (routing
+        # forgets what it held).
+        self.down_listeners: list[Callable[[str], None]] = []
         for backend in config.topology.backends:
             metrics.set_instance_healthy(backend.engine_id, backend.role, True)
 
@@ -130,3 +134,5 @@ class HealthMonitor:
                 backend.role,
                 transition.reason,
             )
+            for listener in self.down_listeners:
+                listener(backend.engine_id)

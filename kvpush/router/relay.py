@@ -68,6 +68,7 @@ async def reply_error(ctx: FlowContext, err: RouterError) -> web.StreamResponse:
 
 
 async def _start_client(ctx: FlowContext, out: web.StreamResponse) -> None:
+    out.headers.update(ctx.response_headers)  # kvpush: binding and decode
     try:
         await out.prepare(ctx.request)
     except ConnectionResetError as e:

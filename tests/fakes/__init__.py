@@ -22,8 +22,10 @@ from tests.fakes.fake_vllm import (
     FakeVllm,
     Fault,
     KvFabric,
+    Load,
     Received,
     expected_text,
+    fake_tokens,
     prompt_text,
 )
 
@@ -32,11 +34,13 @@ __all__ = [
     "FakeVllm",
     "Fault",
     "KvFabric",
+    "Load",
     "Received",
     "Reply",
     "Routed",
     "dead_url",
     "expected_text",
+    "fake_tokens",
     "prompt_text",
     "routed",
 ]

@@ -1,9 +1,11 @@
 """A fake vLLM OpenAI server, shared by every router test.
 
 :class:`FakeVllm` speaks vLLM's ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health`` and ``/metrics`` (with the kvpush connector's
+``/v1/models``, ``/health``, ``/metrics`` (with the kvpush connector's
 ``vllm:kvpush_events_total`` of :attr:`FakeVllm.connector_events`, as vLLM
-writes them) on 127.0.0.1 (a free port), records every
+writes them, and the load gauges of :attr:`FakeVllm.load`) and, when
+``serves_tokenize``, ``/tokenize`` (one token per word, :func:`fake_tokens`)
+on 127.0.0.1 (a free port), records every
 request it receives, and can be told to misbehave (:class:`Fault`, a failing
 ``health_status``, or :meth:`FakeVllm.close` then :meth:`FakeVllm.start` on
 the same port to refuse connections for a while). Its
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +43,20 @@ def prompt_text(body: dict[str, Any]) -> str:
     if "messages" in body:
         return " ".join(str(m.get("content", "")) for m in body["messages"])
     return str(body.get("prompt", ""))
+
+
+def fake_tokens(text: str) -> list[int]:
+    """What a fake's ``/tokenize`` answers: one id per word of ``text``."""
+    return [zlib.crc32(w.encode()) % 30000 for w in re.findall(r"\w+", text)]
+
+
+@dataclass
+class Load:
+    """The load gauges a fake's ``/metrics`` reports (None: left out)."""
+
+    num_waiting: int | None = None
+    num_running: int | None = None
+    kv_usage: float = 0.0
 
 
 def expected_text(text: str, max_tokens: int = DEFAULT_MAX_TOKENS) -> str:
@@ -137,7 +154,10 @@ class FakeVllm:
     fault: Fault | None = None
     connector_events: dict[str, float] = field(default_factory=dict)
     metrics_delay_s: float = 0.0  # before /metrics answers
+    load: Load = field(default_factory=Load)
+    serves_tokenize: bool = False  # else /tokenize answers 404, as without it
     received: list[Received] = field(default_factory=list)
+    tokenized: list[dict[str, Any]] = field(default_factory=list)
     _runner: web.AppRunner | None = None
     url: str = ""
 
@@ -149,6 +169,7 @@ class FakeVllm:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(
             app, handler_cancellation=True, shutdown_timeout=0.2
         )
@@ -198,8 +219,17 @@ class FakeVllm:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         await asyncio.sleep(self.metrics_delay_s)
-        text = vllm_metrics_text(self.connector_events)
+        text = vllm_metrics_text(self.connector_events, self.load)
         return web.Response(text=text, content_type="text/plain")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if not self.serves_tokenize:
+            return web.Response(status=404)
+        body = await request.json()
+        self.tokenized.append(body)
+        tokens = fake_tokens(prompt_text(body))
+        answer = {"count": len(tokens), "max_model_len": 4096, "tokens": tokens}
+        return web.json_response(answer)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         fault = self.fault or Fault()
@@ -321,15 +351,27 @@ class FakeVllm:
         return out
 
 
-def vllm_metrics_text(connector_events: dict[str, float]) -> str:
-    """A vLLM ``/metrics`` with the connector's events (and a usage gauge)."""
+def vllm_metrics_text(
+    connector_events: dict[str, float], load: Load | None = None
+) -> str:
+    """A vLLM ``/metrics`` with the connector's events and the load gauges."""
+    load = load or Load()
     registry = prometheus_client.CollectorRegistry()
     labels = ("fake-model", "0")
     usage = prometheus_client.Gauge(
         "vllm:kv_cache_usage_perc", "KV-cache usage.", ["model_name", "engine"],
         registry=registry,
     )  # fmt: skip
-    usage.labels(*labels).set(0.0)
+    usage.labels(*labels).set(load.kv_usage)
+    for name, value in (
+        ("vllm:num_requests_waiting", load.num_waiting),
+        ("vllm:num_requests_running", load.num_running),
+    ):
+        if value is not None:
+            gauge = prometheus_client.Gauge(
+                name, name, ["model_name", "engine"], registry=registry
+            )
+            gauge.labels(*labels).set(value)
     events = prometheus_client.Counter(
         "vllm:kvpush_events", "kvpush connector events.",
         ["model_name", "engine", "event"], registry=registry,

@@ -1,0 +1,103 @@
+"""Per-request binding: whether and when a request gets a prefill leg.
+
+- **early**: both legs at once, the decode named up front (kvpush's push);
+- **skip**: no prefill leg; the chosen decode computes what it does not
+  hold itself (a plain request, no ``kv_transfer_params``: vLLM's prefix
+  cache serves the held part);
+- **late** (not yet: it needs the claim protocol of issue 14): the prefill
+  leg first, naming no decode, the decode claimed once the KV is ready.
+
+:func:`decide` is the policy, pure. The router's ``--binding`` is ``auto``
+or forces one binding. ``auto`` skips when the decode chosen would have to
+compute at most ``skip_max_new_tokens`` tokens itself, counting what the
+router believes it holds, or when no prefill is usable; else it binds
+early. Every decision has a reason, counted in
+``kvpush_router_binding_total{binding,reason}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Binding = Literal["early", "late", "skip"]
+BindingPolicy = Literal["auto", "early", "late", "skip"]
+POLICIES: tuple[str, ...] = ("auto", "early", "late", "skip")
+SUPPORTED_POLICIES: tuple[str, ...] = ("auto", "early", "skip")
+DEFAULT_SKIP_MAX_NEW_TOKENS = 256  # two CPU blocks of 128 tokens
+
+Reason = Literal[
+    "forced",  # --binding early|skip
+    "prefix_held",  # decode holds the whole prompt but a partial block
+    "few_new_tokens",  # decode holds a prefix; the rest is under the threshold
+    "short_prompt",  # nothing held, the whole prompt is under the threshold
+    "new_tokens",  # more new tokens than the threshold
+    "tokens_unknown",  # the prompt could not be counted: bind early
+    "no_prefill",  # no usable prefill: decode computes the prompt
+]
+
+
+@dataclass(frozen=True)
+class BindingDecision:
+    """A request's binding and why."""
+
+    binding: Binding
+    reason: Reason
+
+    @property
+    def has_prefill_leg(self) -> bool:
+        return self.binding != "skip"
+
+
+def check_policy(policy: str) -> None:
+    """``ValueError`` naming what to use for an unknown or unsupported policy."""
+    if policy == "late":
+        raise ValueError(
+            "--binding late is not yet supported: it needs the late-binding "
+            "claim protocol (issue 14); use auto, early or skip"
+        )
+    if policy not in SUPPORTED_POLICIES:
+        raise ValueError(
+            f"unknown binding {policy!r}; use one of {', '.join(SUPPORTED_POLICIES)}"
+        )
+
+
+def num_new_tokens(num_prompt_tokens: int, num_held_tokens: int) -> int:
+    """Tokens decode must compute itself (vLLM recomputes at least the last
+    prompt token even on a full hit, so this is never below 1)."""
+    return max(1, num_prompt_tokens - min(num_held_tokens, num_prompt_tokens - 1))
+
+
+def decide(
+    policy: BindingPolicy,
+    *,
+    num_prompt_tokens: int | None,
+    num_held_tokens: int,
+    block_size: int,
+    skip_max_new_tokens: int,
+    has_prefill: bool,
+) -> BindingDecision:
+    """The binding of one request on its chosen decode.
+
+    ``num_prompt_tokens`` is None when the prompt could not be counted;
+    ``num_held_tokens`` is what the decode is believed to hold (whole
+    blocks of ``block_size``); ``has_prefill`` whether any prefill is usable.
+    """
+    if policy == "early":
+        return BindingDecision("early", "forced")
+    if policy == "skip":
+        return BindingDecision("skip", "forced")
+    if policy != "auto":
+        check_policy(policy)
+    if not has_prefill:
+        return BindingDecision("skip", "no_prefill")
+    if num_prompt_tokens is None:
+        return BindingDecision("early", "tokens_unknown")
+    new = num_new_tokens(num_prompt_tokens, num_held_tokens)
+    if new > skip_max_new_tokens:
+        return BindingDecision("early", "new_tokens")
+    if num_held_tokens <= 0:
+        return BindingDecision("skip", "short_prompt")
+    if new < block_size:
+        return BindingDecision("skip", "prefix_held")
+    return BindingDecision("skip", "few_new_tokens")

@@ -1,0 +1,77 @@
+"""The binding policy: early, skip, and why."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.router.binding import BindingDecision, check_policy, decide, num_new_tokens
+from kvpush.router.config import RoutingConfig
+
+
+def _auto(prompt: int | None, held: int = 0, has_prefill: bool = True):
+    return decide(
+        "auto",
+        num_prompt_tokens=prompt,
+        num_held_tokens=held,
+        block_size=128,
+        skip_max_new_tokens=256,
+        has_prefill=has_prefill,
+    )
+
+
+def test_auto_skips_at_the_threshold_and_binds_early_above_it() -> None:
+    assert _auto(1000, held=744) == BindingDecision("skip", "few_new_tokens")
+    assert _auto(1000, held=743) == BindingDecision("early", "new_tokens")
+
+
+def test_auto_skips_when_decode_holds_all_but_a_partial_block() -> None:
+    assert _auto(1000, held=896) == BindingDecision("skip", "prefix_held")
+    assert _auto(1024, held=1024) == BindingDecision("skip", "prefix_held")
+
+
+def test_auto_skips_a_short_fresh_prompt_and_binds_a_long_one_early() -> None:
+    assert _auto(200) == BindingDecision("skip", "short_prompt")
+    assert _auto(257) == BindingDecision("early", "new_tokens")
+
+
+def test_auto_binds_early_when_the_prompt_was_not_counted() -> None:
+    assert _auto(None, held=0) == BindingDecision("early", "tokens_unknown")
+
+
+def test_auto_skips_when_no_prefill_is_usable() -> None:
+    assert _auto(5000, has_prefill=False) == BindingDecision("skip", "no_prefill")
+
+
+@pytest.mark.parametrize("policy", ["early", "skip"])
+def test_a_forced_binding_ignores_the_prompt(policy: str) -> None:
+    decision = decide(
+        policy,  # type: ignore[arg-type]
+        num_prompt_tokens=10,
+        num_held_tokens=0,
+        block_size=128,
+        skip_max_new_tokens=256,
+        has_prefill=True,
+    )
+    assert decision == BindingDecision(policy, "forced")  # type: ignore[arg-type]
+
+
+def test_decode_always_computes_at_least_the_last_prompt_token() -> None:
+    assert num_new_tokens(512, 512) == 1
+    assert num_new_tokens(512, 9999) == 1
+    assert num_new_tokens(512, 0) == 512
+
+
+def test_late_binding_is_refused_until_its_protocol_exists() -> None:
+    with pytest.raises(ValueError, match="late is not yet supported"):
+        check_policy("late")
+    with pytest.raises(ValueError, match="not yet supported"):
+        RoutingConfig(binding="late")
+    with pytest.raises(ValueError, match="unknown binding"):
+        check_policy("sometimes")
+
+
+def test_routing_config_refuses_a_read_age_below_the_interval() -> None:
+    with pytest.raises(ValueError, match="signal_max_age_s"):
+        RoutingConfig(signal_interval_s=2.0, signal_max_age_s=1.0)
+    with pytest.raises(ValueError, match="skip_max_new_tokens"):
+        RoutingConfig(skip_max_new_tokens=-1)

@@ -1,0 +1,145 @@
+"""kvpush mode's per-request binding through the real router and fake
+instances: headers, counters, what each instance received."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvpush.router.config import RoutingConfig
+from kvpush.router.prefix import rendezvous_order
+from tests.fakes import Load, Routed, expected_text, prompt_text, routed
+from tests.fakes.metrics import metric
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(40))  # 40 fake tokens
+COMPLETION = {"model": "m", "prompt": LONG_PROMPT, "max_tokens": 4}
+FAST_SIGNALS = {"signal_interval_s": 0.05, "signal_max_age_s": 1.0}
+
+
+def _routing(binding: str, **extra: Any) -> RoutingConfig:
+    return RoutingConfig(
+        binding=binding,  # type: ignore[arg-type]
+        block_size=4,
+        skip_max_new_tokens=8,
+        **{**FAST_SIGNALS, **extra},
+    )
+
+
+def _tokenizing(r: Routed) -> None:
+    for fake in r.cluster.fakes:
+        fake.serves_tokenize = True
+
+
+def _binding_count(text: str, binding: str, reason: str) -> float:
+    return (
+        metric(text, "kvpush_router_binding_total", binding=binding, reason=reason)
+        or 0.0
+    )
+
+
+async def _post(r: Routed, body: dict[str, Any], session: str | None = None):
+    headers = {"x-session-id": session} if session else None
+    reply = await r.post("/v1/completions", body, headers=headers)
+    assert reply.status == 200, reply.body
+    return reply
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_conversations_next_turn_skips_prefill_on_the_same_decode(
+    stream: bool,
+) -> None:
+    async with routed(
+        "kvpush", num_prefills=2, num_decodes=2, routing=_routing("auto")
+    ) as r:
+        _tokenizing(r)
+        first = await _post(r, {**COMPLETION, "stream": stream}, session="chat-1")
+        assert first.headers["x-kvpush-binding"] == "early"
+        decode = first.headers["x-kvpush-decode"]
+        assert decode == rendezvous_order("chat-1", ["decode0", "decode1"])[0]
+        num_prefill_legs = sum(len(p.received) for p in r.cluster.prefills)
+        body = {**COMPLETION, "prompt": LONG_PROMPT + " and five more new words"}
+        second = await _post(r, {**body, "stream": stream}, session="chat-1")
+        assert second.headers["x-kvpush-binding"] == "skip"
+        assert second.headers["x-kvpush-decode"] == decode
+        assert sum(len(p.received) for p in r.cluster.prefills) == num_prefill_legs
+        served = next(d for d in r.cluster.decodes if d.engine_id == decode)
+        last = served.received[-1]
+        assert last.kv_transfer_params is None  # a plain request
+        if not stream:
+            text = second.json()["choices"][0]["text"]
+            assert text == expected_text(prompt_text(body), 4)
+        metrics = (await r.get("/metrics")).body.decode()
+    assert _binding_count(metrics, "early", "new_tokens") == 1
+    assert _binding_count(metrics, "skip", "few_new_tokens") == 1
+
+
+async def test_forced_skip_sends_the_client_body_to_decode_alone() -> None:
+    async with routed("kvpush", num_decodes=2, routing=_routing("skip")) as r:
+        for i in range(4):
+            reply = await _post(r, {**COMPLETION, "prompt": f"prompt {i}"})
+            assert reply.headers["x-kvpush-binding"] == "skip"
+        assert r.cluster.prefills[0].received == []
+        assert {d.engine_id: len(d.received) for d in r.cluster.decodes} == {
+            "decode0": 2,
+            "decode1": 2,
+        }  # idle decodes take turns
+        assert all(d.tokenized == [] for d in r.cluster.decodes)  # no count needed
+        metrics = (await r.get("/metrics")).body.decode()
+    assert _binding_count(metrics, "skip", "forced") == 4
+
+
+async def test_forced_early_sends_both_legs_and_says_so() -> None:
+    async with routed("kvpush", routing=_routing("early")) as r:
+        reply = await _post(r, {**COMPLETION, "stream": True})
+        assert reply.headers["x-kvpush-binding"] == "early"
+        assert reply.headers["x-kvpush-decode"] == "decode0"
+        assert len(r.cluster.prefills[0].received) == 1
+
+
+async def test_a_prompt_that_cannot_be_counted_binds_early() -> None:
+    async with routed("kvpush", routing=_routing("auto")) as r:  # no /tokenize
+        short = {**COMPLETION, "prompt": "two words"}
+        reply = await _post(r, short)
+        assert reply.headers["x-kvpush-binding"] == "early"
+        metrics = (await r.get("/metrics")).body.decode()
+    assert _binding_count(metrics, "early", "tokens_unknown") == 1
+    assert metric(metrics, "kvpush_router_errors_total", cause="tokenize_failed") == 1
+
+
+async def test_a_short_prompt_skips_and_token_ids_need_no_count() -> None:
+    async with routed("kvpush", routing=_routing("auto")) as r:
+        reply = await _post(r, {**COMPLETION, "prompt": [5, 6, 7]})
+        assert reply.headers["x-kvpush-binding"] == "skip"
+        assert r.cluster.decodes[0].tokenized == []
+
+
+async def test_decode_choice_avoids_a_loaded_decode_once_its_load_is_read() -> None:
+    async with routed("kvpush", num_decodes=2, routing=_routing("early")) as r:
+        r.cluster.decodes[0].load = Load(num_waiting=6, num_running=8, kv_usage=0.5)
+        for fake in r.cluster.decodes:
+            if fake.load.num_waiting is None:
+                fake.load = Load(num_waiting=0, num_running=0)
+        await _until_read(r)
+        decodes = {
+            (await _post(r, COMPLETION)).headers["x-kvpush-decode"] for _ in range(4)
+        }
+    assert decodes == {"decode1"}
+
+
+async def test_late_binding_cannot_be_configured_yet() -> None:
+    with pytest.raises(ValueError, match="late is not yet supported"):
+        async with routed("kvpush", routing=RoutingConfig(binding="late")):
+            pass
+
+
+async def test_auto_binding_needs_kvpush_mode() -> None:
+    with pytest.raises(ValueError, match="needs kvpush mode"):
+        async with routed("vllm-push", routing=RoutingConfig(binding="auto")):
+            pass
+
+
+async def _until_read(r: Routed) -> None:
+    """Long enough for several reads of every instance (every 50 ms)."""
+    await asyncio.sleep(0.25)
