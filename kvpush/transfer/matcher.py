@@ -53,13 +53,20 @@ _Tomb = Literal["matched", "closed"]
 @dataclass(frozen=True)
 class ReadyKv:
     """Prefill's trigger: the prompt's KV for ``transfer_id`` is computed in
-    ``src_block_ids`` (block ``i`` of the prompt in ``src_block_ids[i]``);
-    ``decode_engine_id`` comes from the request's :class:`PrefillLeg`."""
+    ``src_block_ids`` (block ``first_block + i`` of the prompt in
+    ``src_block_ids[i]``); ``decode_engine_id`` comes from the request's
+    :class:`PrefillLeg`. A whole push is one item with the defaults
+    (``first_block`` 0, ``final``). A streamed push sends one per prefill
+    chunk, in prompt order, each naming the blocks that chunk completed;
+    only the last is ``final``. The matcher sees only a stream's first
+    chunk (``first_block`` 0): it opens the transfer."""
 
     transfer_id: str
     src_block_ids: tuple[int, ...]
     num_tokens: int
     decode_engine_id: str
+    first_block: int = 0
+    final: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,12 +191,15 @@ class Matcher:
         return self._add(tid, "registration", held, problem, now)
 
     def add_ready(self, ready: ReadyKv, now: float) -> AddResult:
-        """Prefill's half is computed. Source ids must be distinct."""
+        """Prefill's half is computed (or, not ``final``, its stream opened:
+        its first chunk). Source ids must be distinct."""
         n = self._num_blocks(ready.num_tokens)
         problem = None
         if ready.num_tokens < 1:
             problem = f"num_tokens must be >= 1, got {ready.num_tokens}"
-        elif len(ready.src_block_ids) < n:
+        elif ready.first_block != 0:
+            problem = f"a transfer opens at block 0, not {ready.first_block}"
+        elif ready.final and len(ready.src_block_ids) < n:
             problem = (
                 f"{ready.num_tokens} tokens need {n} blocks, "
                 f"prefill holds {len(ready.src_block_ids)}"

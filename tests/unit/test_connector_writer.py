@@ -209,7 +209,7 @@ class Rig:
         last heard from each)."""
         pipeline = self.writer._pipeline
         held = leftovers(pipeline)
-        for name in ("_matcher", "_writes", "_preempt_waits"):
+        for name in ("_matcher", "_writes", "_preempt_waits", "_streams", "_to_post"):
             if len(getattr(pipeline, name)):
                 held[name] = len(getattr(pipeline, name))
         return held

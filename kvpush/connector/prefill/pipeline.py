@@ -13,6 +13,14 @@ transfer is in exactly one phase here:
    the post;
 3. *in flight*: a WRITE posted (:class:`~kvpush.connector.prefill.writes.Writes`).
 
+A transfer is a :class:`~kvpush.connector.prefill.stream.Stream` of work
+items from its first chunk of KV on (one item for a whole push): after
+the match it goes back to *to post* whenever an item is due (a chunk
+arrived, or the items before its Done item ended), so one transfer may
+be to post and in flight at once. A transfer that must end (cancelled,
+preempted, expired, a WRITE failed, decode lost) posts nothing more and
+ends when its last item in flight ended (:meth:`Pipeline._end`).
+
 Every way out frees prefill's blocks (the request id goes to ``finished``)
 and, unless the WRITE's own Done said it, tells decode with a
 :class:`Failure`, prefill's final word: sent only once no WRITE of the
@@ -35,15 +43,16 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.decode_peers import DecodePeers
+from kvpush.connector.prefill.endings import Endings
 from kvpush.connector.prefill.fence import ReadyFence
 from kvpush.connector.prefill.posting import Posting, ToPost
 from kvpush.connector.prefill.preempt_waits import PreemptWaits
 from kvpush.connector.prefill.reconcile import Reconciler
+from kvpush.connector.prefill.stream import Stream, Streams
 from kvpush.connector.prefill.tell import Teller
 from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.matcher import (
-    Dropped,
     Matched,
     Matcher,
     MatcherConfig,
@@ -61,7 +70,6 @@ from kvpush.transfer.messages import (
     Reconcile,
     Registration,
 )
-from kvpush.transfer.work import split_whole
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +95,8 @@ class WriterConfig:
 
 @dataclass(frozen=True)
 class Ready:
-    """The worker's trigger: ``req_id``'s KV for ``ready`` is computed (once
-    ``fence`` says so)."""
+    """The worker's trigger: ``req_id``'s KV for ``ready`` (a whole prompt,
+    or one chunk of it) is computed (once ``fence`` says so)."""
 
     ready: ReadyKv
     req_id: str
@@ -109,6 +117,7 @@ class Pipeline:
         faults: FaultSource,
     ) -> None:
         self._io, self._engine_id, self._boot_id = io, config.engine_id, config.boot_id
+        self._block_size = config.matcher.block_size
         self._reply, self._finished = reply, finished
         self._tracer, self._counters, self._faults = tracer, counters, faults
         self._matcher = Matcher(config.matcher)
@@ -119,13 +128,21 @@ class Pipeline:
         self._later: list[tuple[float, int, Ready]] = []  # fault-delayed KV
         self._seq = itertools.count()
         self._to_post = Posting()
-        self._req_of: dict[str, str] = {}  # transfer id -> prefill request id
-        self._fences: dict[str, ReadyFence] = {}
+        self._streams = Streams()
         self._tell = Teller(config.engine_id, reply, counters)
         self._reconciler = Reconciler(
-            self._matcher, self._to_post, self._writes, self._tell, counters
+            self._matcher, self._streams, self._tell, counters
         )
         self._preempt_waits = PreemptWaits()
+        self._endings = Endings(
+            self._streams,
+            self._to_post,
+            self._writes,
+            self._peers,
+            self._tell,
+            finished,
+            counters,
+        )
 
     # -- events ------------------------------------------------------------
 
@@ -155,6 +172,7 @@ class Pipeline:
     def on_prefill_cancel(self, tid: str, now: float) -> None:
         """Prefill gave the request up (aborted before its KV was ready)."""
         self._counters.add("cancelled.by_prefill")
+        self._streams.forget_orphan(tid)
         self._stop(tid, Cause.CANCELLED, "prefill cancelled the request", now)
 
     def on_preempt(
@@ -166,11 +184,12 @@ class Pipeline:
         and never posted."""
         waiting = set()
         for tid in tids:
-            if self._writes.get(tid) is not None:
+            self._streams.forget_orphan(tid)
+            if self._writes.has(tid):
                 waiting.add(tid)
             else:
                 self._counters.add("preempted.before_write")
-                self._stop(tid, Cause.PREEMPTED, "prefill's request was preempted", now)
+            self._stop(tid, Cause.PREEMPTED, "prefill's request was preempted", now)
         self._preempt_waits.add(waiting, done)
 
     def pardon(self, now: float, gap_s: float) -> None:
@@ -186,7 +205,7 @@ class Pipeline:
 
     def wait_s(self, now: float) -> float:
         """How long the writer may sleep before the next due work."""
-        if any(not self._fence_ready(tid) for tid in self._to_post):
+        if any(not self._postable(tid) for tid in self._to_post):
             return POLL_S
         due = [self._matcher.next_deadline(), self._writes.next_due(now)]
         due += [self._later[0][0]] if self._later else []
@@ -208,34 +227,52 @@ class Pipeline:
             self._admit(heapq.heappop(self._later)[2], now)
 
     def _admit(self, item: Ready, now: float) -> None:
-        tid = item.ready.transfer_id
-        if tid in self._req_of:  # another request's KV holds this id
+        tid, req_id = item.ready.transfer_id, item.req_id
+        stream = self._streams.get(tid)
+        if stream is not None and stream.req_id == req_id:
+            self._next_chunk(stream, item, now)
+            return
+        if self._streams.is_orphan(item.ready, req_id):
+            return  # its transfer already ended; nothing more is sent
+        if stream is not None:  # another request's KV holds this id
             self._counters.add("rejected.duplicate")
             logger.warning("kvpush: second KV for transfer %s refused", tid)
-            self._finished(item.req_id)
+            self._finished(req_id)
             return
         result = self._matcher.add_ready(item.ready, now)
         if isinstance(result, Rejected):
             self._counters.add(f"rejected.{result.code}")
             logger.warning("kvpush: KV of %s refused: %s", tid, result.reason)
-            self._finished(item.req_id)  # the matcher took nothing of ours
-            self._drop_all(result.dropped, Cause.REJECTED)
+            self._finished(req_id)  # the matcher took nothing of ours
+            if not item.ready.final:
+                self._streams.orphan(tid, req_id)
+            self._endings.drop_all(result.dropped, Cause.REJECTED)
             if result.code in ("invalid", "mismatch", "capacity"):
                 engine = item.ready.decode_engine_id
-                self._fail(tid, engine, Cause.REJECTED, result.reason)
+                self._endings.fail(tid, engine, Cause.REJECTED, result.reason)
             return
-        self._req_of[tid] = item.req_id
-        self._fences[tid] = item.fence
+        self._streams.open(Stream(req_id, item.ready, item.fence))
         if isinstance(result, Matched):
             self._matched(result, now)
+
+    def _next_chunk(self, stream: Stream, item: Ready, now: float) -> None:
+        """A later chunk of a stream this writer holds."""
+        problem = stream.add(item.ready, item.fence)
+        if problem is None:
+            self._schedule(stream, now)
+            return
+        tid = stream.transfer_id
+        self._counters.add("rejected.invalid")
+        logger.warning("kvpush: chunk of %s refused: %s", tid, problem)
+        self._stop(tid, Cause.REJECTED, problem, now)
 
     def _registration(self, route: bytes, reg: Registration, now: float) -> None:
         tid, engine = reg.transfer_id, reg.decode_engine_id
         problem = self._peers.range_problem(reg)
         if problem is not None:  # refused; the transfer is closed
             self._counters.add("rejected.out_of_range")
-            self._drop_all(self._matcher.cancel(tid, problem, now), None)
-            self._fail(tid, engine, Cause.REJECTED, problem, route)
+            self._endings.drop_all(self._matcher.cancel(tid, problem, now), None)
+            self._endings.fail(tid, engine, Cause.REJECTED, problem, route)
             return
         result = self._matcher.add_registration(reg, now)
         if isinstance(result, Rejected):
@@ -243,8 +280,8 @@ class Pipeline:
             logger.warning("kvpush: registration %s refused: %s", tid, result.reason)
             if result.code == "duplicate":
                 return  # the transfer carries on; its owner must not hear of it
-            self._drop_all(result.dropped, Cause.REJECTED)
-            self._fail(tid, engine, Cause.REJECTED, result.reason, route)
+            self._endings.drop_all(result.dropped, Cause.REJECTED)
+            self._endings.fail(tid, engine, Cause.REJECTED, result.reason, route)
             return
         self._tell.registered(tid, route)
         if not self._peers.knows(engine, reg.decode_boot_id):
@@ -256,23 +293,31 @@ class Pipeline:
     # -- phase 2: matched, to post -------------------------------------------
 
     def _matched(self, m: Matched, now: float) -> None:
-        self._to_post.add(m, now + self._faults.post_delay_s())
+        stream = self._streams.get(m.transfer_id)
+        if stream is None:  # unreachable: the ready half opened a stream
+            raise RuntimeError(f"matched {m.transfer_id} has no stream")
+        stream.match(m, self._block_size, self._io.layout.num_layers)
+        self._schedule(stream, now + self._faults.post_delay_s())
 
-    def _fence_ready(self, tid: str) -> bool:
-        fence = self._fences.get(tid)
-        return fence is None or fence.is_ready()
+    def _schedule(self, stream: Stream, not_before: float) -> None:
+        """Back to *to post* if an item of this matched stream is due."""
+        m = stream.matched
+        if m is not None and m.transfer_id not in self._to_post and stream.has_due():
+            self._to_post.add(m, not_before)
+
+    def _postable(self, tid: str) -> bool:
+        """An item of ``tid`` is ready to post (its chunks' fences completed)."""
+        stream = self._streams.get(tid)
+        return stream is not None and stream.next_item() is not None
 
     def _post_due(self, now: float) -> None:
-        postable, overdue = self._to_post.sweep(
-            now, self._peers.knows, self._fence_ready
-        )
+        postable, overdue = self._to_post.sweep(now, self._peers.knows, self._postable)
         for late in overdue:
             if late.event is not None:
                 self._counters.add(late.event)
             tp = late.item
-            self._end(tp.transfer_id, tp.engine, late.cause, late.why)
+            self._endings.end(tp.transfer_id, tp.engine, late.cause, late.why)
         for tp in postable:
-            self._fences.pop(tp.transfer_id, None)
             self._post(tp, now)
 
     def _post(self, tp: ToPost, now: float) -> None:
@@ -280,41 +325,58 @@ class Pipeline:
         problem = self._peers.range_problem(m.registration)
         if problem is not None or peer is None:
             self._counters.add("rejected.out_of_range")
-            self._end(m.transfer_id, tp.engine, Cause.REJECTED, problem or "no peer")
+            self._endings.end(
+                m.transfer_id, tp.engine, Cause.REJECTED, problem or "no peer"
+            )
             return
-        (item,) = split_whole(
-            m.transfer_id, m.src_block_ids, m.dst_block_ids, self._io.layout.num_layers
-        )
+        stream = self._streams.get(m.transfer_id)
+        item = stream.next_item() if stream is not None else None
+        if stream is None or item is None:
+            return
         try:
-            self._writes.post(item, peer, tp.engine, now)
+            total = len(m.dst_block_ids)
+            self._writes.post(item, peer, tp.engine, now, total)
         except Exception as e:
-            self._end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, str(e))
+            self._endings.end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, str(e))
+            return
+        stream.posted(item)
 
     # -- phase 3: in flight ----------------------------------------------------
 
     def _poll(self, now: float) -> None:
         ended = self._writes.poll(now)
         for flight, outcome in ended:
-            self._write_ended(flight, outcome)
-        if ended:
-            self._preempt_waits.ended(f.transfer_id for f, _ in ended)
+            self._write_ended(flight, outcome, now)
+        idle = {f.transfer_id for f, _ in ended if not self._writes.has(f.transfer_id)}
+        if idle:
+            self._preempt_waits.ended(idle)
 
-    def _write_ended(self, flight: InFlight, outcome: Outcome) -> None:
-        tid, engine, route = flight.transfer_id, flight.engine_id, flight.cancel_route
-        if outcome is Outcome.DONE:  # its Done went with it: the final word
+    def _write_ended(self, flight: InFlight, outcome: Outcome, now: float) -> None:
+        tid, engine = flight.transfer_id, flight.engine_id
+        stream = self._streams.get(tid)
+        if stream is None:  # unreachable: a stream ends only with no WRITE
+            logger.error("kvpush: a WRITE of %s ended with no stream", tid)
+            return
+        stream.item_ended()
+        if outcome is Outcome.DONE and flight.notify:  # its Done: the final word
             self._tracer.mark(tid, "write_done")
-            self._release(tid)
+            self._endings.release(tid)
             self._tell.done(tid, engine, flight.num_blocks)
-        else:
+            return
+        if outcome is not Outcome.DONE:
+            stream.write_failed()
+        if stream.closing is None:
+            self._schedule(stream, now)
+        elif stream.in_flight == 0:
             self._tracer.mark(tid, "write_ended")
-            self._end(tid, engine, Cause.WRITE_FAILED, "NIXL reported an error", route)
+            self._endings.finish(stream)
 
     # -- deadlines and peers -------------------------------------------------
 
     def _expire(self, now: float) -> None:
-        self._drop_all(self._matcher.expire(now), Cause.EXPIRED)
+        self._endings.drop_all(self._matcher.expire(now), Cause.EXPIRED)
         engines = self._matcher.engines_with_registrations()
-        engines |= self._to_post.engines()
+        engines |= self._to_post.engines() | self._streams.engines_waited_on()
         for engine in self._peers.silent(engines, now):
             self._forget(engine, f"no message for {self._peers.timeout_s:.0f} s", now)
 
@@ -353,85 +415,33 @@ class Pipeline:
                 if r.decode_boot_id != new_boot
             }
         for tid in gone:
-            self._drop_all(self._matcher.cancel(tid, why, now), tell)
-        for tp in self._to_post.of_engine(engine, new_boot):
-            self._to_post.pop(tp.transfer_id)
-            self._release(tp.transfer_id)
-            if tell is not None:
-                self._fail(tp.transfer_id, engine, tell, why)
-            else:
-                self._tell.closed(tp.transfer_id)
+            self._endings.drop_all(self._matcher.cancel(tid, why, now), tell)
+        for stream in self._streams.of_engine(engine, new_boot):
+            self._endings.end(stream.transfer_id, engine, tell, why)
         self._peers.forget(engine, dead=new_boot is None)
 
     # -- endings ---------------------------------------------------------------
 
     def _stop(self, tid: str, cause: Cause, why: str, now: float) -> None:
-        """Close ``tid`` wherever it is; a WRITE in flight runs to its end
+        """Close ``tid`` wherever it is; WRITEs in flight run to their end
         (see :mod:`kvpush.connector.prefill.writes`)."""
-        if self._writes.get(tid) is not None:
-            return
-        if (tp := self._to_post.pop(tid)) is not None:
-            self._end(tid, tp.engine, cause, why)
+        stream = self._streams.matched(tid)
+        if stream is not None:
+            self._endings.end(tid, stream.engine, cause, why)
         else:
-            self._drop_all(self._matcher.cancel(tid, why, now), cause)
+            self._endings.drop_all(self._matcher.cancel(tid, why, now), cause)
 
     def _decode_cancel(self, route: bytes, cancel: Cancel, now: float) -> None:
         """Decode gave the transfer up: stop it wherever it is, and answer
-        with a Failure once no WRITE of it can land any more."""
+        with a Failure once no WRITE of it can land any more (or with the
+        Done of its last WRITE, if that one is already in flight)."""
         tid = cancel.transfer_id
         self._counters.add("cancelled.by_decode")
-        if self._writes.get(tid) is not None:  # answered when the WRITE ends
-            self._writes.answer_on(tid, route)
-            return
-        if self._to_post.pop(tid) is not None:
-            self._release(tid)
-        else:
-            self._drop_all(self._matcher.cancel(tid, cancel.reason, now), None)
         why = f"cancelled by decode: {cancel.reason}"
-        self._fail(tid, cancel.engine_id, Cause.CANCELLED, why, route)
-
-    def _drop_all(self, dropped: Iterable[Dropped], cause: Cause | None) -> None:
-        """Free what the matcher let go and, unless ``cause`` is None (the
-        caller answers decode itself, or nobody is left to tell), tell decode.
-        An expired ready KV tells decode too: its registration was lost, and
-        decode should not wait out its own deadline."""
-        for d in dropped:
-            if d.ready is not None:
-                self._release(d.transfer_id)
-            if cause is Cause.EXPIRED:
-                self._counters.add(f"expired.{d.side}")
-            if cause is not None:
-                self._fail(d.transfer_id, d.notify_engine_id, cause, d.reason)
-            else:
-                self._tell.closed(d.transfer_id)
-
-    def _end(
-        self,
-        tid: str,
-        engine: str,
-        cause: Cause,
-        detail: str,
-        route: bytes | None = None,
-    ) -> None:
-        """A matched transfer will not complete: free our blocks, tell decode."""
-        self._release(tid)
-        self._fail(tid, engine, cause, detail, route)
-
-    def _release(self, tid: str) -> None:
-        """Prefill's blocks for ``tid`` may be freed (no WRITE reads them)."""
-        self._fences.pop(tid, None)
-        req_id = self._req_of.pop(tid, None)
-        if req_id:
-            self._finished(req_id)
-
-    def _fail(
-        self,
-        tid: str,
-        engine: str,
-        cause: Cause,
-        detail: str,
-        route: bytes | None = None,
-    ) -> None:
-        """Prefill's final word on ``tid`` (see :class:`Teller`)."""
-        peer = self._peers.get(engine)
-        self._tell.fail(tid, cause, detail, route, peer.route if peer else None)
+        stream = self._streams.matched(tid)
+        if stream is not None:
+            stream.answer_route = route
+            self._endings.end(tid, cancel.engine_id, Cause.CANCELLED, why, route)
+            return
+        self._endings.drop_all(self._matcher.cancel(tid, cancel.reason, now), None)
+        self._endings.fail(tid, cancel.engine_id, Cause.CANCELLED, why, route)

@@ -8,9 +8,10 @@ After the connection comes back decode sends a
 :class:`~kvpush.transfer.messages.Reconcile` naming every receive it still
 waits on from this prefill. For each id, :meth:`Reconciler.answer`:
 
-* prefill still *holds* it (a half waiting in the matcher, matched and not
-  yet posted, or a WRITE in flight): it carries on, and its final word (the
-  WRITE's Done, or a Failure) will go to the Reconcile's socket;
+* prefill still *holds* it (a half waiting in the matcher, or a matched
+  stream: an item to post, a chunk still to come, or a WRITE in flight):
+  it carries on, and its final word (the WRITE's Done, or a Failure) will
+  go to the Reconcile's socket;
 * otherwise no WRITE of it is in flight or can be posted: the id is closed
   in the matcher (a Registration that comes later under it is refused, for
   the matcher's tombstone time), and prefill says its final word again
@@ -27,9 +28,8 @@ from __future__ import annotations
 import logging
 
 from kvpush.connector.counters import Counters
-from kvpush.connector.prefill.posting import Posting
+from kvpush.connector.prefill.stream import Streams
 from kvpush.connector.prefill.tell import Teller
-from kvpush.connector.prefill.writes import Writes
 from kvpush.transfer.matcher import Matcher
 from kvpush.transfer.messages import Reconcile
 
@@ -37,26 +37,19 @@ logger = logging.getLogger(__name__)
 
 
 class Reconciler:
-    """Answers Reconciles from the pipeline's matcher, posting and WRITEs."""
+    """Answers Reconciles from the pipeline's matcher and streams."""
 
     def __init__(
-        self,
-        matcher: Matcher,
-        to_post: Posting,
-        writes: Writes,
-        tell: Teller,
-        counters: Counters,
+        self, matcher: Matcher, streams: Streams, tell: Teller, counters: Counters
     ) -> None:
-        self._matcher, self._to_post, self._writes = matcher, to_post, writes
+        self._matcher, self._streams = matcher, streams
         self._tell, self._counters = tell, counters
 
     def holds(self, tid: str) -> bool:
-        """Whether a WRITE of ``tid`` is in flight or may still be posted."""
-        return (
-            self._matcher.is_pending(tid)
-            or tid in self._to_post
-            or self._writes.get(tid) is not None
-        )
+        """Whether a WRITE of ``tid`` is in flight or may still be posted: a
+        half in the matcher, or a matched stream (to post, waiting for its
+        next chunk, or with items in flight) that has not ended."""
+        return self._matcher.is_pending(tid) or tid in self._streams
 
     def answer(self, route: bytes, reconcile: Reconcile, now: float) -> None:
         """Decode ``reconcile.engine_id`` waits on these ids (from ``route``)."""
@@ -70,7 +63,7 @@ class Reconciler:
             if self.holds(tid):
                 self._counters.add("reconciled.live")
                 self._tell.registered(tid, route)  # its final word goes here
-                self._writes.reroute(tid, route)
+                self._streams.reroute(tid, route)
                 continue
             self._counters.add("reconciled.ended")
             # Not pending, so this only closes the id (drops nothing).

@@ -30,6 +30,7 @@ cost, per WRITE in flight, is in ``BENCHMARKS.md`` ("Micro-benchmarks").
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -61,15 +62,16 @@ class InFlight:
     transfer_id: str
     engine_id: str
     deadline: float  # past it, the WRITE is counted late (never cancelled)
-    num_blocks: int = 0  # for the Done said again on a Reconcile
-    cancel_route: bytes | None = None  # decode cancelled: answer there when over
+    num_blocks: int = 0  # the transfer's, for the Done said again on a Reconcile
+    notify: bool = True  # it carries the transfer's Done (its last item)
     late: bool = False  # past its deadline, counted
     failed: bool = False  # NIXL said ERR; waiting for the release
     next_try: float = 0.0
 
 
 class Writes:
-    """The WRITEs in flight, by transfer id (one per transfer)."""
+    """The WRITEs in flight, one per posted work item; a transfer may have
+    several (one per chunk streamed), keyed here by (transfer id, item)."""
 
     def __init__(
         self,
@@ -82,18 +84,20 @@ class Writes:
         self._io, self._engine_id, self._tracer = io, engine_id, tracer
         self._counters = counters
         self._timeout_s = timeout_s
-        self._inflight: dict[str, InFlight] = {}
+        self._inflight: dict[tuple[str, int], InFlight] = {}
+        self._per_transfer: dict[str, int] = {}  # transfer id -> items in flight
+        self._seq = itertools.count()
 
-    def post(self, item: WorkItem, peer: DecodePeer, engine: str, now: float) -> None:
+    def post(
+        self, item: WorkItem, peer: DecodePeer, engine: str, now: float, total: int
+    ) -> None:
         """One WRITE for one work item (a block range x a layer range); the
-        transfer's last item carries the Done notification. Raises when it
-        cannot be posted (a block outside either cache, NIXL refusing)."""
-        if item.transfer_id in self._inflight:
-            raise RuntimeError(f"transfer {item.transfer_id} already has a WRITE")
+        transfer's last item carries the Done notification, naming all
+        ``total`` blocks of the transfer (the caller posts it only once no
+        earlier item is in flight). Raises when it cannot be posted (a block
+        outside either cache, NIXL refusing)."""
         done = Done(
-            transfer_id=item.transfer_id,
-            engine_id=self._engine_id,
-            num_blocks=item.num_blocks,
+            transfer_id=item.transfer_id, engine_id=self._engine_id, num_blocks=total
         )
         notif = encode(done) if item.notify else b""
         block_runs = runs(item.src_block_ids, item.dst_block_ids)
@@ -101,33 +105,20 @@ class Writes:
         src, dst = descriptors(block_runs, *layouts, item.layers)
         handle = self._io.write(src, dst, peer.agent_name, notif)
         deadline = now + self._timeout_s
-        flight = InFlight(handle, item.transfer_id, engine, deadline, item.num_blocks)
-        self._inflight[item.transfer_id] = flight
+        tid = item.transfer_id
+        flight = InFlight(handle, tid, engine, deadline, total, item.notify)
+        self._inflight[(tid, next(self._seq))] = flight
+        self._per_transfer[tid] = self._per_transfer.get(tid, 0) + 1
         num_bytes = item.num_blocks * self._io.layout.block_bytes
         num_bytes *= len(item.layers) * self._io.layout.regions_per_layer
         self._tracer.mark(
-            item.transfer_id,
+            tid,
             "write_posted",
             num_descs=len(src),
             num_runs=len(block_runs),
             num_blocks=item.num_blocks,
             num_bytes=num_bytes,
         )
-
-    def answer_on(self, transfer_id: str, route: bytes) -> None:
-        """Decode gave the WRITE of ``transfer_id`` up: it runs to its end
-        all the same (a cancel proves nothing over TCP), and a failed end is
-        answered on ``route`` (a completed one is answered by its Done)."""
-        flight = self._inflight.get(transfer_id)
-        if flight is not None:
-            flight.cancel_route = route
-
-    def reroute(self, transfer_id: str, route: bytes) -> None:
-        """Decode reconnected (its old socket is gone): a cancelled WRITE
-        is answered on ``route`` instead."""
-        flight = self._inflight.get(transfer_id)
-        if flight is not None and flight.cancel_route is not None:
-            flight.cancel_route = route
 
     def next_due(self, now: float) -> float | None:
         """When the writer must tick again for these WRITEs (None: none)."""
@@ -138,7 +129,7 @@ class Writes:
         in flight is polled). Also counts those past their deadline, and
         retries releases that NIXL refused after ``ERR``."""
         ended = []
-        for flight in list(self._inflight.values()):
+        for key, flight in list(self._inflight.items()):
             if now > flight.deadline and not flight.late:
                 flight.late = True
                 self._counters.add("expired.write")
@@ -157,9 +148,17 @@ class Writes:
                 flight.next_try = now + RETRY_S
                 outcome = None
             if outcome is not None:
-                del self._inflight[flight.transfer_id]
+                self._drop(key)
                 ended.append((flight, outcome))
         return ended
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        tid = self._inflight.pop(key).transfer_id
+        left = self._per_transfer[tid] - 1
+        if left:
+            self._per_transfer[tid] = left
+        else:
+            del self._per_transfer[tid]
 
     def _step(self, flight: InFlight, now: float) -> Outcome | None:
         if not flight.failed:
@@ -178,8 +177,9 @@ class Writes:
         flight.next_try = now + RETRY_S
         return None
 
-    def get(self, transfer_id: str) -> InFlight | None:
-        return self._inflight.get(transfer_id)
+    def has(self, transfer_id: str) -> bool:
+        """Whether any WRITE of ``transfer_id`` is in flight."""
+        return transfer_id in self._per_transfer
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -189,9 +189,9 @@ class Writes:
         release every WRITE, running or not; how many NIXL would not let
         go (their memory must stay registered)."""
         kept = 0
-        for tid, flight in list(self._inflight.items()):
+        for key, flight in list(self._inflight.items()):
             if self._io.release(flight.handle):
-                del self._inflight[tid]
+                self._drop(key)
             else:
                 kept += 1
         return kept

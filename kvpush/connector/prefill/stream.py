@@ -1,0 +1,236 @@
+"""One prefill transfer as a stream of work items, from its first chunk of
+KV to its last WRITE.
+
+Owned by the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
+(the writer thread); pure bookkeeping, no I/O. Every transfer is a stream:
+a whole push (``--push-granularity request``) is a stream of one chunk.
+
+* Chunks arrive in prompt order (:meth:`Stream.add`), each with the device
+  fence of the forward that computed it; a block may be sent once its
+  chunk's fence, and every earlier chunk's, completed.
+* Once matched with decode's registration, :meth:`Stream.next_item` cuts
+  the blocks ready and not yet sent (within the registered range: decode's
+  prefix hits are never sent) into one item: everything due at once, so a
+  registration that arrives after several chunks catches up in one
+  coalesced WRITE.
+* The item that reaches the prompt's last block carries the Done; it is
+  offered only once no earlier item is in flight (NIXL does not order
+  separate WRITEs, and Done tells decode every block landed). Meanwhile
+  the blocks before it go as an item of their own.
+* Once :meth:`Stream.close` is called (cancelled, preempted, expired, a
+  WRITE failed, decode lost) nothing more is offered; the pipeline ends
+  the transfer when its last item in flight ends (:attr:`in_flight`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvpush.connector.prefill.fence import ReadyFence
+from kvpush.transfer.matcher import Matched, ReadyKv
+from kvpush.transfer.messages import Cause
+from kvpush.transfer.work import WorkItem
+
+MAX_ORPHANS = 4096  # ended streams whose later chunks are still to come
+
+
+@dataclass(frozen=True)
+class Closing:
+    """Why a stream posts nothing more; ``cause`` None: end without a word
+    (nobody is left to tell)."""
+
+    cause: Cause | None
+    why: str
+
+
+class Stream:
+    """The chunks, the registration and the items of one transfer."""
+
+    def __init__(self, req_id: str, first: ReadyKv, fence: ReadyFence) -> None:
+        self.req_id = req_id
+        self.transfer_id = first.transfer_id
+        self.engine = first.decode_engine_id
+        self.num_tokens = first.num_tokens
+        self.final = False  # the last chunk arrived
+        self.matched: Matched | None = None
+        self.in_flight = 0  # items posted, not ended
+        self.closing: Closing | None = None
+        self.answer_route: bytes | None = None  # decode's Cancel came there
+        self._src: list[int] = []
+        self._fences: list[tuple[int, ReadyFence]] = []  # (blocks known, fence)
+        self._num_blocks = 0  # prompt blocks; known at the match
+        self._sent = 0  # prompt block index of the next unsent block
+        self._num_layers = 0
+        self.add(first, fence)
+
+    def add(self, chunk: ReadyKv, fence: ReadyFence) -> str | None:
+        """The next chunk's blocks are computed (once ``fence`` says so).
+        Returns what is wrong with it (the stream is then unchanged)."""
+        if self.final:
+            return "a chunk after the final one"
+        if chunk.first_block != len(self._src):
+            return f"chunk starts at block {chunk.first_block}, not {len(self._src)}"
+        if chunk.num_tokens != self.num_tokens:
+            return f"chunk of a {chunk.num_tokens}-token prompt, not {self.num_tokens}"
+        if set(chunk.src_block_ids) & set(self._src):
+            return "source block ids repeat"
+        self._src.extend(chunk.src_block_ids)
+        self._fences.append((len(self._src), fence))
+        self.final = chunk.final
+        return None
+
+    def match(self, matched: Matched, block_size: int, num_layers: int) -> None:
+        """Decode's registration: its blocks from ``first_block`` on."""
+        self.matched = matched
+        self._num_blocks = -(-self.num_tokens // block_size)
+        self._sent = matched.registration.first_block
+        self._num_layers = num_layers
+
+    def close(self, cause: Cause | None, why: str) -> None:
+        """Post nothing more (the first reason given is kept)."""
+        if self.closing is None:
+            self.closing = Closing(cause, why)
+
+    def write_failed(self) -> None:
+        """A WRITE of it failed: that is the final word's cause, whatever
+        closed the stream before."""
+        self.closing = Closing(Cause.WRITE_FAILED, "NIXL reported an error")
+
+    @property
+    def is_open(self) -> bool:
+        """Matched, not closed, and not every item posted yet."""
+        return (
+            self.matched is not None
+            and self.closing is None
+            and self._sent < self._num_blocks
+        )
+
+    def has_due(self) -> bool:
+        """Something known to post, whether or not its fence completed."""
+        return self._cut(self._end(len(self._src))) > self._sent
+
+    def next_item(self) -> WorkItem | None:
+        """The item to post now (None: nothing ready). Does not change the
+        stream; call :meth:`posted` once it was posted."""
+        end = self._cut(self._end(self._ready_blocks()))
+        if self.matched is None or end <= self._sent:
+            return None
+        first = self.matched.registration.first_block
+        dst = self.matched.dst_block_ids
+        return WorkItem(
+            transfer_id=self.transfer_id,
+            src_block_ids=tuple(self._src[self._sent : end]),
+            dst_block_ids=tuple(dst[self._sent - first : end - first]),
+            layers=range(self._num_layers),
+            notify=end == self._num_blocks,
+        )
+
+    def posted(self, item: WorkItem) -> None:
+        self._sent += item.num_blocks
+        self.in_flight += 1
+
+    def item_ended(self) -> None:
+        self.in_flight -= 1
+
+    def _cut(self, end: int) -> int:
+        """Where the next item ends: nowhere once closed; one block short of
+        the prompt's end while an item is in flight (the Done item, the
+        prompt's last block, waits for every earlier item)."""
+        if not self.is_open:
+            return self._sent
+        if end == self._num_blocks and self.in_flight > 0:
+            return end - 1
+        return end
+
+    def _end(self, known: int) -> int:
+        """Prompt blocks complete among the first ``known`` (capped at the
+        prompt: trailing blocks of a whole push are ignored)."""
+        if self.matched is None:
+            return 0
+        if known >= len(self._src) and self.final:
+            return self._num_blocks
+        return min(known, self._num_blocks)
+
+    def _ready_blocks(self) -> int:
+        ready = 0
+        for known, fence in self._fences:
+            if not fence.is_ready():
+                break
+            ready = known
+        return ready
+
+
+class Streams:
+    """Every transfer the writer holds a chunk of, by transfer id, and the
+    ended ones whose later chunks may still come (they are dropped)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, Stream] = {}
+        self._orphans: OrderedDict[str, str] = OrderedDict()  # tid -> req id
+
+    def open(self, stream: Stream) -> None:
+        self._streams[stream.transfer_id] = stream
+
+    def get(self, tid: str) -> Stream | None:
+        return self._streams.get(tid)
+
+    def matched(self, tid: str) -> Stream | None:
+        """The stream of ``tid`` if the writer owns it (matched)."""
+        stream = self._streams.get(tid)
+        return stream if stream is not None and stream.matched else None
+
+    def pop(self, tid: str) -> Stream | None:
+        """Forget ``tid``'s stream; a later chunk of it will be an orphan's."""
+        stream = self._streams.pop(tid, None)
+        if stream is not None and not stream.final:
+            self.orphan(tid, stream.req_id)
+        return stream
+
+    def orphan(self, tid: str, req_id: str) -> None:
+        """``req_id``'s transfer ended before its last chunk came."""
+        self._orphans[tid] = req_id
+        while len(self._orphans) > MAX_ORPHANS:
+            self._orphans.popitem(last=False)
+
+    def is_orphan(self, chunk: ReadyKv, req_id: str) -> bool:
+        """A chunk of a transfer that already ended (forgotten at its last)."""
+        if self._orphans.get(chunk.transfer_id) != req_id:
+            return False
+        if chunk.final:
+            del self._orphans[chunk.transfer_id]
+        return True
+
+    def forget_orphan(self, tid: str) -> None:
+        """Its request will send no more chunks (aborted or preempted)."""
+        self._orphans.pop(tid, None)
+
+    def reroute(self, tid: str, route: bytes) -> None:
+        """Decode reconnected: a cancelled transfer is answered on ``route``."""
+        stream = self._streams.get(tid)
+        if stream is not None and stream.answer_route is not None:
+            stream.answer_route = route
+
+    def of_engine(self, engine: str, other_than_boot: str | None) -> list[Stream]:
+        """Matched streams registered by ``engine`` (and not by that boot)."""
+        return [
+            s
+            for s in self._streams.values()
+            if s.matched is not None
+            and s.engine == engine
+            and s.matched.registration.decode_boot_id != other_than_boot
+        ]
+
+    def engines_waited_on(self) -> set[str]:
+        """Decodes with a matched stream that still has items to post."""
+        return {s.engine for s in self._streams.values() if s.is_open}
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._streams
+
+    def __iter__(self) -> Iterator[Stream]:
+        return iter(list(self._streams.values()))
+
+    def __len__(self) -> int:
+        return len(self._streams)
