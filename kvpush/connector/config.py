@@ -6,7 +6,14 @@ The launcher sets these through ``kv_connector_extra_config``::
      "trace_dir": "RUN_DIR/traces",
      # optional, defaults below:
      "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
-     "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false}
+     "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false,
+     "push_granularity": "request"}
+
+``push_granularity`` (prefill): ``request`` pushes a prompt's KV once its
+last chunk is computed; ``chunk`` streams it, each prefill chunk's
+completed blocks as that chunk's forward ends; ``auto`` is ``chunk`` for
+now (per-layer is not built yet, so there is nothing to choose between);
+``layer`` is refused as not yet supported.
 
 The shared secret that authenticates side-channel messages comes from the
 environment (``KVPUSH_SIDE_CHANNEL_SECRET``), never from the command line,
@@ -30,6 +37,8 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 # tested here) and LIBFABRIC (what AWS EFA users run).
 NIXL_BACKENDS: tuple[str, ...] = ("UCX", "LIBFABRIC")
 _DURATIONS = ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s")
+PUSH_GRANULARITIES: tuple[str, ...] = ("auto", "request", "chunk", "layer")
+DEFAULT_PUSH_GRANULARITY = "request"
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,13 @@ class ConnectorConfig:
     cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
     nixl_backend: str = "UCX"  # NIXL transport plugin, one of NIXL_BACKENDS
     insecure_side_channel: bool = False  # allow no secret off loopback
+    push_granularity: str = DEFAULT_PUSH_GRANULARITY  # one of PUSH_GRANULARITIES
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             raise ValueError("kv-transfer-config needs a non-empty engine_id")
         check_nixl_backend(self.nixl_backend)
+        check_push_granularity(self.push_granularity)
         if self.role == "prefill":  # its worker binds the listener here
             check_side_channel_auth(
                 self.side_channel_host, bool(self.secret), self.insecure_side_channel
@@ -83,6 +94,11 @@ class ConnectorConfig:
                 "kv_connector_extra_config.registration_ttl_s must exceed 1 s "
                 "(prefill keeps a 1 s margin for the WRITE itself)"
             )
+
+    @property
+    def streams(self) -> bool:
+        """Prefill pushes chunk by chunk (``chunk``, or ``auto`` for now)."""
+        return self.push_granularity in ("auto", "chunk")
 
     @property
     def agent_name(self) -> str:
@@ -121,6 +137,9 @@ class ConnectorConfig:
                 cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
                 nixl_backend=str(extra.get("nixl_backend", "UCX")),
                 insecure_side_channel=extra.get("insecure_side_channel") is True,
+                push_granularity=str(
+                    extra.get("push_granularity", DEFAULT_PUSH_GRANULARITY)
+                ),
                 **durations,
             )
         except (TypeError, ValueError) as e:
@@ -132,4 +151,18 @@ def check_nixl_backend(name: str) -> None:
     if name not in NIXL_BACKENDS:
         raise ValueError(
             f"nixl_backend must be one of {', '.join(NIXL_BACKENDS)}, not {name!r}"
+        )
+
+
+def check_push_granularity(name: str) -> None:
+    """Raise ValueError unless kvpush can push at granularity ``name``."""
+    if name not in PUSH_GRANULARITIES:
+        raise ValueError(
+            f"push_granularity must be one of {', '.join(PUSH_GRANULARITIES)}, "
+            f"not {name!r}"
+        )
+    if name == "layer":
+        raise ValueError(
+            "push_granularity 'layer' is not yet supported (per-layer push is "
+            "the next step of streaming); use 'chunk', 'auto' or 'request'"
         )

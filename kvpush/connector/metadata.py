@@ -17,14 +17,22 @@ from kvpush.transfer.messages import Failure
 
 @dataclass(frozen=True)
 class PushTrigger:
-    """Prefill: this step computes the last prompt token of ``req_id``; once
-    its forward is done, the KV in ``src_block_ids`` is ready to push."""
+    """Prefill: once this step's forward is done, prompt blocks
+    ``first_block..`` of ``req_id`` (in ``src_block_ids``) are ready to push.
+    A whole push is one trigger, ``final``, from block 0, in the step that
+    computes the last prompt token. Streamed, each step that completes
+    blocks triggers those; the step with the last token is ``final``.
+    ``cached``: blocks prefill's own prefix cache held, computed by no
+    forward of this request: ready before this step's forward."""
 
     req_id: str
     transfer_id: str
     src_block_ids: tuple[int, ...]
     num_tokens: int
     decode_engine_id: str
+    first_block: int = 0
+    final: bool = True
+    cached: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,18 @@
 """Prefill's scheduler side (vLLM's EngineCore process, its main thread;
 every method is called by vLLM's scheduler).
 
-A request whose leg is a :class:`PrefillLeg` is followed chunk by chunk; in
-the step that computes its last prompt token the worker gets a
-:class:`PushTrigger` and pushes once that step's forward is done. When the
-request finishes, vLLM keeps its blocks (``request_finished`` returns True)
-until the worker reports the push over (done, failed or expired).
+A request whose leg is a :class:`PrefillLeg` is followed chunk by chunk.
+With ``push_granularity`` ``request``, in the step that computes its last
+prompt token the worker gets one :class:`PushTrigger` and pushes once that
+step's forward is done. Streamed (``chunk``), every step that completes
+prompt blocks triggers those blocks: ``build_connector_meta`` runs before
+vLLM advances ``num_computed_tokens``, so after this step's forward the
+first ``computed + scheduled`` tokens hold KV, and the blocks they fill
+are complete (the last block when the whole prompt is); blocks prefill's
+own prefix cache held at admission form the first trigger (``cached``).
+When the request finishes, vLLM keeps its blocks (``request_finished``
+returns True) until the worker reports the push over (done, failed or
+expired); one aborted between two chunks is also cancelled.
 
 Preemption: vLLM frees a preempted request's blocks at once and may hand
 them to another request in the same step. A preemption after the trigger
@@ -39,7 +46,9 @@ class _Prefill:
     request: Any
     leg: PrefillLeg
     block_ids: list[int] = field(default_factory=list)
-    triggered: bool = False
+    triggered: bool = False  # a first chunk went to the worker
+    num_sent: int = 0  # prompt blocks handed to the worker
+    final_sent: bool = False  # the last chunk went to the worker
     preempted: bool = False  # after the trigger: its push was closed
 
 
@@ -54,6 +63,7 @@ class PrefillScheduler:
         self._prefills: dict[str, _Prefill] = {}
         self._held: set[str] = set()  # requests whose blocks vLLM keeps for us
         self._meta = PrefillMetadata()
+        self._streamed = config.streams
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -104,25 +114,43 @@ class PrefillScheduler:
                 state.block_ids.extend(new_ids[0])
 
     def _find_last_chunks(self, num_scheduled: dict[str, int]) -> None:
-        """Trigger the push of each prefill request whose last prompt token
-        this step computes (``num_computed_tokens`` is not advanced yet)."""
+        """Trigger the blocks this step completes, of each prefill request
+        it schedules (``num_computed_tokens`` is not advanced yet)."""
         for rid, state in self._prefills.items():
-            if state.triggered or rid not in num_scheduled:
+            if state.final_sent or state.preempted or rid not in num_scheduled:
                 continue
-            req, prompt_len = state.request, state.request.num_prompt_tokens
-            if req.num_computed_tokens + num_scheduled[rid] < prompt_len:
-                continue
-            state.triggered = True
-            num_blocks = math.ceil(prompt_len / self.config.block_size)
-            self._meta.triggers.append(
-                PushTrigger(
-                    req_id=rid,
-                    transfer_id=state.leg.transfer_id,
-                    src_block_ids=tuple(state.block_ids[:num_blocks]),
-                    num_tokens=prompt_len,
-                    decode_engine_id=state.leg.decode_engine_id,
-                )
+            computed = state.request.num_computed_tokens
+            prompt_len = state.request.num_prompt_tokens
+            after = computed + num_scheduled[rid]
+            if after >= prompt_len:
+                self._trigger(state, math.ceil(prompt_len / self.config.block_size))
+            elif self._streamed:
+                if state.num_sent == 0 and computed >= self.config.block_size:
+                    self._trigger(state, computed // self.config.block_size, True)
+                self._trigger(state, after // self.config.block_size)
+
+    def _trigger(self, state: _Prefill, end: int, cached: bool = False) -> None:
+        """Hand prompt blocks ``num_sent..end-1`` to the worker (the last
+        trigger: ``end`` is the prompt's block count)."""
+        final = end == math.ceil(
+            state.request.num_prompt_tokens / self.config.block_size
+        )
+        start = state.num_sent
+        if end <= start:
+            return
+        state.triggered, state.num_sent, state.final_sent = True, end, final
+        self._meta.triggers.append(
+            PushTrigger(
+                req_id=state.request.request_id,
+                transfer_id=state.leg.transfer_id,
+                src_block_ids=tuple(state.block_ids[start:end]),
+                num_tokens=state.request.num_prompt_tokens,
+                decode_engine_id=state.leg.decode_engine_id,
+                first_block=start,
+                final=final,
+                cached=cached,
             )
+        )
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """Keep a request's blocks while a WRITE out of them may still run."""
@@ -139,6 +167,9 @@ class PrefillScheduler:
             return False, None
         if state.preempted:  # its push was closed at the preemption
             return False, None
+        if not state.final_sent:  # aborted between two chunks: stop the push
+            self.counters.add("aborted.mid_stream")
+            self._meta.cancels.append(leg.transfer_id)
         self._held.add(rid)
         return True, None
 

@@ -4,7 +4,9 @@ vLLM on the worker's main thread).
 ``register_kv_caches`` registers the KV cache with NIXL, binds the
 side-channel listener and starts the writer thread. Right after the
 forward that computed a prompt's last token (``wait_for_save``) the KV is
-handed to the writer, with a device fence. Before a forward that may reuse
+handed to the writer, with a device fence; streamed, after every forward
+that completed blocks (and, before the first forward, the blocks prefill's
+own prefix cache held). Before a forward that may reuse
 the blocks of preempted requests, ``handle_preemptions`` closes their
 pushes and waits until no WRITE reads those blocks. ``get_finished``
 reports each request whose push is over once vLLM has finished it too, so
@@ -21,9 +23,9 @@ from kvpush.connector.agent import open_agent
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
-from kvpush.connector.metadata import PrefillMetadata
+from kvpush.connector.metadata import PrefillMetadata, PushTrigger
 from kvpush.connector.nixl_io import NixlIO
-from kvpush.connector.prefill.fence import record_fence
+from kvpush.connector.prefill.fence import ReadyFence, record_fence
 from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.side_channel import Listener
@@ -85,8 +87,13 @@ class PrefillWorker:
             self._listener.reply(route, message)
 
     def bind(self, meta: PrefillMetadata) -> None:
-        """Take this step's instructions (before the forward)."""
+        """Take this step's instructions (before the forward); blocks from
+        prefill's own prefix cache go to the writer now (behind a fence on
+        the work already queued: the forward that computed them)."""
         self._meta = meta
+        cached = [t for t in meta.triggers if t.cached]
+        if cached and self._writer is not None:
+            self._hand_over(cached, record_fence(self._device_type))
 
     def handle_preemptions(self, meta: PrefillMetadata) -> None:
         """Before the forward of the step whose schedule preempted requests:
@@ -109,22 +116,28 @@ class PrefillWorker:
             )
 
     def wait_for_save(self) -> None:
-        """After the forward: push the KV of every prompt finished this step."""
+        """After the forward: push the KV this step's forward computed."""
         if self._writer is None:
             return
-        fence = record_fence(self._device_type) if self._meta.triggers else None
-        for t in self._meta.triggers:
+        computed = [t for t in self._meta.triggers if not t.cached]
+        if computed:
+            self._hand_over(computed, record_fence(self._device_type))
+        for tid in self._meta.cancels:
+            self._writer.cancel(tid)
+        self._meta = PrefillMetadata()
+
+    def _hand_over(self, triggers: list[PushTrigger], fence: ReadyFence) -> None:
+        for t in triggers:
             ready = ReadyKv(
                 transfer_id=t.transfer_id,
                 src_block_ids=t.src_block_ids,
                 num_tokens=t.num_tokens,
                 decode_engine_id=t.decode_engine_id,
+                first_block=t.first_block,
+                final=t.final,
             )
             self._triggered.add(t.req_id)
-            self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[arg-type]
-        for tid in self._meta.cancels:
-            self._writer.cancel(tid)
-        self._meta = PrefillMetadata()
+            self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[union-attr]
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Prefill requests whose blocks may be freed now."""

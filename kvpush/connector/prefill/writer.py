@@ -100,8 +100,11 @@ class Writer:
 
     def kv_ready(self, ready: ReadyKv, req_id: str, fence: ReadyFence) -> None:
         """From the worker's main thread, right after the forward that
-        computed the prompt's last token."""
-        self._tracer.mark(ready.transfer_id, "kv_ready", peer=ready.decode_engine_id)
+        computed the prompt's last token (streamed: each chunk's, in prompt
+        order; the last one is ``final`` and marks ``kv_ready``)."""
+        if ready.final:
+            engine = ready.decode_engine_id
+            self._tracer.mark(ready.transfer_id, "kv_ready", peer=engine)
         self._inbox.put((Kind.READY, Ready(ready, req_id, fence)))
 
     def cancel(self, transfer_id: str) -> None:
