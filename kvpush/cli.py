@@ -14,6 +14,7 @@ from kvpush.bench.cli import add_parser as add_bench_parser
 from kvpush.bench.micro.cli import add_parser as add_bench_micro_parser
 from kvpush.launcher.cli import INSTANCE_KEYS, add_instance_options, add_serve_parser
 from kvpush.launcher.config import HOSTS
+from kvpush.model.presets import PRESETS
 from kvpush.topology import MODES
 
 
@@ -199,6 +200,12 @@ def _add_make_model(sub: Any) -> None:
     p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named shape instead of the flags: kv-heavy is 8 layers, 8 KV "
+        "heads of 128, hidden 256 (64 KiB of KV per token, 32x tiny)",
+    )
     p.set_defaults(func=_cmd_make_model)
 
 
@@ -232,13 +239,25 @@ def _add_up(sub: Any) -> None:
         type=float,
         help="with --hosts netns: shape each host's egress to this rate (tbf)",
     )
+    p.add_argument(
+        "--model-preset",
+        choices=sorted(PRESETS),
+        help="serve a named model shape, made on first use under "
+        "$KVPUSH_HOME/models (kv-heavy: 64 KiB of KV per token; it also sets "
+        "--kv-cache-space-gb 4 and --max-model-len 8192 unless given)",
+    )
     add_instance_options(p)
     p.set_defaults(func=_cmd_up)
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from kvpush.model import ModelSpec, make_model
+    from kvpush.model.presets import preset
 
+    if args.preset is not None:
+        out = make_model(args.dir, preset(args.preset).spec)
+        print(f"model written to {out}")
+        return 0
     spec = ModelSpec(
         num_layers=args.layers,
         hidden_size=args.hidden,
@@ -268,10 +287,26 @@ def up_config(args: argparse.Namespace) -> Any:
     values.update(
         {k: getattr(args, k) for k in _UP_KEYS if getattr(args, k) is not None}
     )
+    if getattr(args, "model_preset", None) is not None:
+        _apply_model_preset(values, args.model_preset)
     if values.get("mode") == "colocated":
         values.setdefault("num_prefill", 0)
         values.setdefault("num_decode", 0)
     return make_config(values)
+
+
+def _apply_model_preset(values: dict[str, Any], name: str) -> None:
+    """The preset's model (made on first use) and the settings it needs,
+    unless the file or the flags gave them."""
+    from kvpush.model.presets import ensure_preset, preset
+
+    if values.get("model") is not None:
+        raise ValueError("give --model or --model-preset, not both")
+    chosen = preset(name)
+    print(f"kvpush: model preset {name} (made on first use)", file=sys.stderr)
+    values["model"] = ensure_preset(env.kvpush_home(), name)
+    values.setdefault("kv_cache_space_gb", chosen.kv_cache_space_gb)
+    values.setdefault("max_model_len", chosen.max_model_len)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpush.connector.config import NIXL_BACKENDS
+from kvpush.connector.config import NIXL_BACKENDS, PUSH_GRANULARITIES
 from kvpush.launcher.config import DTYPES, FAILURE_POLICIES
 from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
@@ -22,7 +22,7 @@ INSTANCE_KEYS = (
     "max_num_batched_tokens", "kv_cache_space_gb", "kv_load_failure_policy",
     "registration_ttl_s", "ready_ttl_s", "peer_timeout_s", "fault_injection",
     "nixl_backend", "ucx_net_devices", "insecure_side_channel",
-    "side_channel_secret_file",
+    "side_channel_secret_file", "push_granularity",
 )  # fmt: skip
 
 
@@ -72,6 +72,12 @@ def add_instance_options(p: argparse.ArgumentParser) -> None:
         "--nixl-backend",
         choices=NIXL_BACKENDS,
         help="NIXL transport (default UCX; LIBFABRIC for AWS EFA)",
+    )
+    p.add_argument(
+        "--push-granularity",
+        choices=PUSH_GRANULARITIES,
+        help="kvpush: push each prompt whole (request, default), per prefill "
+        "chunk (chunk), or auto (= chunk for now); layer: not yet supported",
     )
     p.add_argument(
         "--ucx-net-devices",

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvpush.connector.config import check_nixl_backend
+from kvpush.connector.config import (
+    DEFAULT_PUSH_GRANULARITY,
+    check_nixl_backend,
+    check_push_granularity,
+)
 from kvpush.launcher.netns import MAX_LINK_GBIT
 from kvpush.settings_file import read_settings_file
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
@@ -46,6 +50,8 @@ class ClusterConfig:
     instances bind; ``advertise_host`` what the topology names (default
     ``host``); ``side_channel_host`` what the side channels bind (default
     ``host``) and ``side_channel_advertise_host`` what decode connects to.
+    ``push_granularity`` (kvpush mode) is prefill's push unit: ``request``,
+    ``chunk`` or ``auto`` (see :mod:`kvpush.connector.config`).
     ``nixl_backend`` is NIXL's transport (UCX or LIBFABRIC) and
     ``ucx_net_devices`` the NIC(s) UCX may use (``UCX_NET_DEVICES``), both
     for kvpush and the baselines. A kvpush side channel off loopback needs
@@ -87,6 +93,7 @@ class ClusterConfig:
     ucx_net_devices: str | None = None
     insecure_side_channel: bool = False
     side_channel_secret_file: Path | None = None
+    push_granularity: str = DEFAULT_PUSH_GRANULARITY
     hosts: str = "local"
     link_gbit: float | None = None
 
@@ -226,6 +233,9 @@ class InstanceSettings(Protocol):
     @property
     def side_channel_secret_file(self) -> Path | None: ...
 
+    @property
+    def push_granularity(self) -> str: ...
+
 
 def check_instance_settings(s: InstanceSettings) -> None:
     """Raise ValueError, saying what to change, unless ``s`` is valid."""
@@ -251,6 +261,7 @@ def check_instance_settings(s: InstanceSettings) -> None:
             f"{name} must be in (0, 3600] seconds, not {value!r}",
         )
     check_nixl_backend(s.nixl_backend)
+    check_push_granularity(s.push_granularity)
     _require(
         s.ucx_net_devices is None or bool(s.ucx_net_devices.strip()),
         "ucx_net_devices must name devices (e.g. mlx5_0:1 or eth0), or be unset",

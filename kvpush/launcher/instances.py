@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
 from kvpush.launcher.netns import NetPlan
 from kvpush.side_channel_auth import SECRET_ENV
@@ -154,6 +155,8 @@ def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any
         extra["fault_file"] = str(spec.run_dir / FAULT_FILE)
     if config.insecure_side_channel:
         extra["insecure_side_channel"] = True
+    if config.push_granularity != DEFAULT_PUSH_GRANULARITY:
+        extra["push_granularity"] = config.push_granularity
     return extra
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher.config import (
     Addresses,
     check_instance_settings,
@@ -76,6 +77,7 @@ class ServeConfig:
     peer_timeout_s: float | None = None
     fault_injection: bool = False
     nixl_backend: str = "UCX"
+    push_granularity: str = DEFAULT_PUSH_GRANULARITY
     ucx_net_devices: str | None = None
     insecure_side_channel: bool = False
     side_channel_secret_file: Path | None = None

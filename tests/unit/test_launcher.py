@@ -121,3 +121,13 @@ def test_stop_group_ends_the_process_and_its_children(tmp_path: Path) -> None:
     assert len(process.group_members(pid)) == 2
     assert process.stop_group(pid, grace_s=5)
     assert process.group_members(pid) == []
+
+
+def test_push_granularity_reaches_the_connector(tmp_path: Path) -> None:
+    config = ClusterConfig(mode="kvpush", push_granularity="chunk")
+    prefill, _ = plan_instances(config, tmp_path)
+    kv = kv_transfer_config(config, prefill)
+    assert kv is not None
+    assert kv["kv_connector_extra_config"]["push_granularity"] == "chunk"
+    with pytest.raises(ValueError, match="not yet supported"):
+        ClusterConfig(mode="kvpush", push_granularity="layer")
