@@ -156,7 +156,7 @@ def _per_token(per_token: int | None) -> str:
 def bandwidth_section(summary: BenchSummary, table: Table) -> str:
     header = [
         "link", "point", "config", "transfer", "timed by", "n (≥ 32 MiB)",
-        "MiB each", "MiB/s p50", "MiB/s min–max", "MiB/s mean", "p50 ÷ nominal",
+        "MiB each", "MiB/s p50", "MiB/s min–max", "MiB/s mean", "÷ nominal",
     ]  # fmt: skip
     rows = []
     for link, info in _points(summary):
@@ -179,7 +179,8 @@ def bandwidth_section(summary: BenchSummary, table: Table) -> str:
         "the point: their mean is exact, their median known only to the "
         "histogram's bucket (a range, for transfers of one size). Only "
         f"transfers of at least {MIN_MEASURED_BYTES // MIB} MiB are measured: "
-        "below that tbf's burst, not the rate, sets the time.\n\n"
+        "below that tbf's burst, not the rate, sets the time. **÷ nominal** "
+        "divides the p50 (kvpush) or the mean (vLLM) by the nominal rate.\n\n"
         + table(header, rows)
         + _verdict(summary)
     )

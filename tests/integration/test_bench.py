@@ -1,9 +1,12 @@
 """``kvpush bench --quick`` on real clusters (colocated and vLLM pull): every
 request accounted for, exact token counts, every output file written, every
-cluster stopped. No timing thresholds: this checks the yardstick, not speed."""
+cluster stopped; and on the multi-host rehearsal (kvpush, ``--hosts
+netns``): the KV crossed the links once, every WRITE was timed. No timing
+thresholds: this checks the yardstick, not speed."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,8 @@ import pytest
 from kvpush.bench.records import read_records
 from kvpush.bench.summary import load_summary
 from kvpush.cli import main
-from kvpush.launcher import status
+from kvpush.launcher import netns, status
+from kvpush.model.kv_size import kv_bytes_per_token
 
 pytestmark = pytest.mark.integration
 
@@ -75,3 +79,57 @@ def test_resources_warmup_and_files_are_recorded(results: Path) -> None:
 def test_every_cluster_was_stopped(results: Path) -> None:
     for name in CONFIGS:
         assert status(results / "clusters" / name) is None
+
+
+# -- on the multi-host rehearsal ----------------------------------------------
+
+REHEARSAL_GBIT = 4.0
+
+
+@pytest.fixture(scope="module")
+def rehearsal(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``kvpush bench --quick --hosts netns`` with kvpush alone (one cluster,
+    to stay short); skipped where namespaces cannot be made."""
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("bench-netns") / "results"
+    argv = [
+        "bench", "--quick", "--configs", "kvpush", "--model", str(model_dir),
+        "--hosts", "netns", "--link-gbit", f"{REHEARSAL_GBIT:g}",
+        "--output", str(out), "--port", "28700", "--base-http-port", "28800",
+        "--base-side-channel-port", "29700",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+def test_on_the_rehearsal_the_kv_crosses_the_links_and_writes_are_timed(
+    rehearsal: Path, model_dir: Path
+) -> None:
+    summary = load_summary(rehearsal)
+    [config] = summary.configs
+    assert (config.name, config.status, config.link_gbit) == ("kvpush", "ok", 4.0)
+    [point] = config.points
+    assert point.links is not None and point.bandwidth is not None
+    per_token = kv_bytes_per_token(model_dir, "float32")
+    assert point.links.kv_bytes_per_token == per_token == 2048
+    needed = NUM_REQUESTS * 256 * per_token  # the quick preset's prompts
+    assert point.links.kv_bytes == needed
+    # the KV crossed once: both links carried at least it, plus HTTP and
+    # TCP/IP overhead (a few percent here, not a second copy)
+    assert needed <= point.links.prefill_sent < 1.5 * needed
+    assert needed <= point.links.decode_received < 1.5 * needed
+    bw = point.bandwidth
+    assert (bw.kind, bw.source, bw.num_transfers) == ("WRITE", "kvpush trace", 6)
+    assert bw.num_measured == 0  # 0.5 MiB WRITEs: too small to measure a link
+    assert all(r.link_gbit == 4.0 for r in read_records(rehearsal / "requests.jsonl"))
+    report = (rehearsal / "report.md").read_text()
+    assert "## Over the links" in report and "## KV transfer bandwidth" in report
+    run_dir = rehearsal / "clusters" / "kvpush-4gbit"
+    assert status(run_dir) is None
+    tag = netns.run_dir_tag(run_dir)
+    names = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"kvpush-{tag}-" not in names  # down removed the rehearsal hosts
