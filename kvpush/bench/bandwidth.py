@@ -5,9 +5,12 @@ Two sources, one per kind of configuration:
 - **kvpush** traces every WRITE (:mod:`kvpush.bench.timeline`):
   ``write_posted`` (marked once the post returned, with the WRITE's
   ``num_bytes``) and ``write_done`` (marked when prefill's writer, polling
-  every 0.5 ms, finds it complete). One WRITE per transfer, so a transfer's
-  two marks time its WRITE on the wire; the post itself (descriptor build
-  and ``transfer()``, ~1 ms here) is left out, it is the "write setup" phase.
+  every 0.5 ms, finds it complete). With push granularity ``request`` (the
+  default) a transfer is one WRITE, so its two marks time that WRITE on the
+  wire; the post itself (descriptor build and ``transfer()``, ~1 ms here)
+  is left out, it is the "write setup" phase. A streamed transfer (several
+  WRITEs, ``write_done`` only on the last) cannot be split per WRITE from
+  the trace and is left out.
 - **vLLM's NIXL connectors** (the ``vllm-pull`` READ, the ``vllm-push``
   WRITE) have NIXL time every transfer (``capture_telemetry``: from the
   post to the poll that saw it complete) and publish the durations and
@@ -70,22 +73,26 @@ class TransferSample(NamedTuple):
 def write_samples(lines: Iterable[dict[str, object]]) -> list[TransferSample]:
     """kvpush's WRITEs from decoded trace lines: each transfer's
     ``write_posted`` (time, bytes) paired with its ``write_done``; WRITEs
-    that never completed (``write_ended``) are left out."""
+    that never completed (``write_ended``) and transfers of several WRITEs
+    are left out."""
     posted: dict[str, tuple[float, int]] = {}
     done: dict[str, float] = {}
+    several: set[str] = set()
     for obj in lines:
         tid, event, t = obj.get("transfer_id"), obj.get("event"), obj.get("t")
         if not isinstance(tid, str) or not isinstance(t, int | float):
             continue
         num_bytes = obj.get("num_bytes")
         if event == "write_posted" and isinstance(num_bytes, int):
+            if tid in posted:
+                several.add(tid)
             posted[tid] = (float(t), num_bytes)
         elif event == "write_done":
             done[tid] = float(t)
     samples = [
         TransferSample(num_bytes, done[tid] - at, at)
         for tid, (at, num_bytes) in posted.items()
-        if tid in done and done[tid] >= at
+        if tid in done and done[tid] >= at and tid not in several
     ]
     return sorted(samples, key=lambda s: s.posted_at)
 

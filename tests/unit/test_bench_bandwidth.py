@@ -56,6 +56,10 @@ def test_kvpush_writes_pair_posted_and_done_by_transfer() -> None:
         {"transfer_id": "c", "event": "write_ended", "t": 12.1},  # never landed
         {"transfer_id": "b", "event": "write_done", "t": 11.25},
         {"transfer_id": "a", "event": "kv_ready", "t": 9.0},
+        # a streamed transfer: two WRITEs, Done on the last; not split
+        {"transfer_id": "s", "event": "write_posted", "t": 13.0, "num_bytes": MIB},
+        {"transfer_id": "s", "event": "write_posted", "t": 13.5, "num_bytes": MIB},
+        {"transfer_id": "s", "event": "write_done", "t": 14.0},
     ]
     samples = write_samples(lines)
     assert [(s.num_bytes, s.seconds, s.posted_at) for s in samples] == [
