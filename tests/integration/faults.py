@@ -37,6 +37,17 @@ from tests.fakes.metrics import metric
 from tests.integration import workload
 from tests.integration.conftest import Cluster
 
+# The fault suites' cluster settings: short deadlines so each fault takes
+# seconds (registrations live 8 s, finished KV waits 4 s for its
+# registration, a silent decode is dropped after 3 s), and 64-token prefill
+# chunks so that a long prompt takes many steps.
+SHORT_DEADLINES: dict[str, Any] = {
+    "fault_injection": True,
+    "registration_ttl_s": 8.0,
+    "ready_ttl_s": 4.0,
+    "peer_timeout_s": 3.0,
+    "max_num_batched_tokens": 64,
+}
 FAULT_RELOAD_S = 0.3  # the connector looks at the fault file every 0.1 s
 
 

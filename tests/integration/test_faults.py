@@ -38,13 +38,7 @@ from tests.integration.conftest import Cluster, start_cluster
 
 pytestmark = pytest.mark.integration
 
-OPTIONS: dict[str, Any] = {
-    "fault_injection": True,
-    "registration_ttl_s": 8.0,
-    "ready_ttl_s": 4.0,
-    "peer_timeout_s": 3.0,
-    "max_num_batched_tokens": 64,
-}
+OPTIONS: dict[str, Any] = faults.SHORT_DEADLINES
 DEADLINE_S = 60.0  # no request may take longer, whatever the fault
 
 

@@ -34,13 +34,9 @@ pytestmark = pytest.mark.integration
 
 LINK_GBIT = 1.0
 OPTIONS: dict[str, Any] = {
+    **faults.SHORT_DEADLINES,
     "hosts": "netns",
     "link_gbit": LINK_GBIT,
-    "fault_injection": True,
-    "registration_ttl_s": 8.0,
-    "ready_ttl_s": 4.0,
-    "peer_timeout_s": 3.0,
-    "max_num_batched_tokens": 64,
 }
 DEADLINE_S = 60.0  # no request may take longer, whatever the fault
 DECODE_DEADLINE_S = 8.0 + 5.0  # registration ttl + decode's grace
