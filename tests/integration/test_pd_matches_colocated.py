@@ -85,3 +85,14 @@ class TestKvPush(PDChecks):
 
     mode = "kvpush"
     cluster_options: ClassVar[dict[str, Any]] = {"max_num_batched_tokens": 256}
+
+
+class TestKvPushStreamed(TestKvPush):
+    """kvpush's connector streaming per prefill chunk
+    (``--push-granularity chunk``): each 256-token chunk's two 128-token
+    blocks are pushed as that chunk's forward ends."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        "max_num_batched_tokens": 256,
+        "push_granularity": "chunk",
+    }
