@@ -23,6 +23,7 @@ class Reply:
     events: list[dict[str, Any]] = field(default_factory=list)
     ttft_s: float | None = None
     total_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)  # names lower-cased
 
     @property
     def text(self) -> str:
@@ -77,6 +78,7 @@ def request(
             reply.ttft_s = time.perf_counter() - start
         else:
             reply = _read_stream(resp, start)
+        reply.headers = {k.lower(): v for k, v in resp.getheaders()}
     finally:
         conn.close()
     reply.total_s = time.perf_counter() - start

@@ -1,0 +1,230 @@
+"""xPyD routing on a real 2P2D kvpush cluster (``kvpush up --prefill 2
+--decode 2``): every binding forced gives colocated's outputs; a
+conversation's next turn lands on the decode that holds it and sends no
+prefill leg at all (neither prefill's own request counter moves); a killed
+decode's traffic moves to the other and nothing is left holding KV.
+
+Three routers over the one topology: the launcher's (default binding,
+early), and two started here with ``--binding skip`` and ``--binding auto``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush import client
+from kvpush.launcher import ClusterConfig, down, up
+from kvpush.launcher import process as proc
+from kvpush.launcher.state import TOPOLOGY_FILE
+from tests.fakes.metrics import metric
+from tests.integration import workload
+from tests.integration.conftest import Cluster
+
+pytestmark = pytest.mark.integration
+
+PORT = 38000  # the launcher's router; instances 38100+, side channels 38200+
+SKIP_PORT, AUTO_PORT = 38010, 38011
+SHAPE_NAMES = ("completion-short", "completion-long", "chat-stream", "chat")
+PREFILLS, DECODES = ("prefill0", "prefill1"), ("decode0", "decode1")
+# A prefill leg whose decode died may finish first; prefill then holds its
+# KV for that decode until this deadline (docs/architecture.md, "Faults").
+READY_TTL_S = 6.0
+
+
+class Routers:
+    """The cluster and the URL of each router, by binding."""
+
+    def __init__(self, cluster: Cluster, urls: dict[str, str]) -> None:
+        self.cluster = cluster
+        self.urls = urls
+
+
+@pytest.fixture(scope="module")
+def xpyd(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Routers]:
+    run_dir = tmp_path_factory.mktemp("xpyd")
+    config = ClusterConfig(
+        mode="kvpush", num_prefill=2, num_decode=2, model=model_dir,
+        run_dir=run_dir, port=PORT, base_http_port=PORT + 100,
+        base_side_channel_port=PORT + 200, max_num_batched_tokens=256,
+        ready_ttl_s=READY_TTL_S,
+    )  # fmt: skip
+    cluster = Cluster(up(config), run_dir, config)
+    routers: list[subprocess.Popen[bytes]] = []
+    try:
+        urls = {"early": cluster.url}
+        for binding, port in (("skip", SKIP_PORT), ("auto", AUTO_PORT)):
+            routers.append(_start_router(run_dir, binding, port))
+            urls[binding] = f"http://127.0.0.1:{port}"
+        for url in urls.values():
+            _wait_healthy(url)
+            workload.warm_up(url)
+        yield Routers(cluster, urls)
+    finally:
+        for router in routers:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(timeout=20)
+        down(run_dir)
+        left = [p.pid for p in cluster.state.processes if proc.group_members(p.pid)]
+        assert not left, f"processes left after down: {left}"
+
+
+@pytest.mark.parametrize("binding", ["early", "skip"])
+def test_every_forced_binding_matches_colocated(
+    xpyd: Routers, reference: workload.Outputs, binding: str
+) -> None:
+    before = _settled_prefill_requests(xpyd.cluster)
+    decodes = set()
+    for name in SHAPE_NAMES:
+        reply = workload.send(xpyd.urls[binding], *workload.SHAPES[name])
+        problem = workload.mismatch(reference[name], reply)
+        assert problem is None, f"{binding} {name}: {problem}"
+        assert reply.headers["x-kvpush-binding"] == binding
+        decodes.add(reply.headers["x-kvpush-decode"])
+    assert decodes == set(DECODES)  # idle decodes take turns
+    moved = _settled_prefill_requests(xpyd.cluster) - before
+    assert moved == (len(SHAPE_NAMES) if binding == "early" else 0)
+
+
+def test_a_conversations_second_turn_skips_prefill_on_the_same_decode(
+    xpyd: Routers,
+) -> None:
+    session = {"x-session-id": "conversation-1"}
+    first_body = _chat([workload.text_of(400, seed=31)])
+    first = _send(xpyd.urls["auto"], first_body, session)
+    assert first.status == 200, first.body
+    assert first.headers["x-kvpush-binding"] == "early"
+    decode = first.headers["x-kvpush-decode"]
+    second_body = _chat([workload.text_of(400, seed=31), first.text, "and then?"])
+    before = _settled_prefill_requests(xpyd.cluster)
+    second = _send(xpyd.urls["auto"], second_body, session)
+    assert second.status == 200, second.body
+    assert (second.headers["x-kvpush-binding"], second.headers["x-kvpush-decode"]) == (
+        "skip",
+        decode,
+    )
+    assert _settled_prefill_requests(xpyd.cluster) == before  # no prefill leg
+    # The same turn through both legs (a fresh session) answers the same.
+    pushed = _send(xpyd.urls["early"], second_body, {"x-session-id": "other"})
+    assert workload.mismatch(pushed, second) is None, workload.mismatch(pushed, second)
+    counts = _router_metrics(xpyd.urls["auto"])
+    assert metric(counts, "kvpush_router_binding_total", binding="skip") >= 1
+
+
+def test_no_blocks_held_after_the_requests(xpyd: Routers) -> None:
+    for name in (*PREFILLS, *DECODES):
+        usage = workload.kv_cache_usage(xpyd.cluster.instance_url(name))
+        assert usage == 0.0, f"{name} still holds KV blocks ({usage:.2%})"
+
+
+def test_a_killed_decodes_traffic_moves_to_the_other(
+    xpyd: Routers, reference: workload.Outputs
+) -> None:
+    # Runs last: the cluster keeps one decode.
+    session = {"x-session-id": "conversation-1"}  # affine to some decode
+    probe = _send(xpyd.urls["auto"], _chat(["which decode?"]), session)
+    victim = probe.headers["x-kvpush-decode"]
+    survivor = next(d for d in DECODES if d != victim)
+    os.killpg(xpyd.cluster.pid(victim), signal.SIGKILL)
+    for binding in ("auto", "early"):
+        for name in ("completion-long", "chat-stream"):
+            reply = client.request(
+                xpyd.urls[binding],
+                *workload.SHAPES[name],
+                timeout_s=60,
+                headers=session,
+            )
+            problem = workload.mismatch(reference[name], reply)
+            assert problem is None, f"{binding} {name} after the kill: {problem}"
+            assert reply.headers["x-kvpush-decode"] == survivor
+    _until_no_blocks_held(xpyd.cluster, (*PREFILLS, survivor), READY_TTL_S + 10)
+
+
+def _until_no_blocks_held(cluster: Cluster, names: Any, timeout_s: float) -> None:
+    """Every instance of ``names`` holds no KV block, within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {n: workload.kv_cache_usage(cluster.instance_url(n)) for n in names}
+        if not any(held.values()):
+            return
+        assert time.monotonic() < deadline, f"KV blocks still held: {held}"
+        time.sleep(0.5)
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+def _start_router(run_dir: Path, binding: str, port: int) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "kvpush", "router",
+        "--topology", str(run_dir / TOPOLOGY_FILE), "--port", str(port),
+        "--binding", binding, "--signal-interval-s", "0.5",
+    ]  # fmt: skip
+    log = (run_dir / f"router-{binding}.log").open("wb")
+    return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+
+
+def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"router {url} not healthy within {timeout_s}s")
+        time.sleep(0.2)
+
+
+def _chat(turns: list[str]) -> dict[str, Any]:
+    roles = ["user", "assistant"]
+    messages = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+    return {
+        "messages": messages, "max_tokens": 16, "temperature": 0.0,
+        "logprobs": True, "top_logprobs": 1,
+    }  # fmt: skip
+
+
+def _send(url: str, body: dict[str, Any], headers: dict[str, str]) -> client.Reply:
+    return client.request(url, "/v1/chat/completions", body, 120.0, headers)
+
+
+def _router_metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _settled_prefill_requests(cluster: Cluster, timeout_s: float = 10.0) -> float:
+    """:func:`_prefill_requests` once two reads 0.5 s apart agree (a prefill
+    leg may finish, and be counted, after the client got decode's answer)."""
+    deadline = time.monotonic() + timeout_s
+    last = _prefill_requests(cluster)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _prefill_requests(cluster)
+        if now == last:
+            return now
+        last = now
+    raise TimeoutError(f"prefill request counters still moving after {timeout_s}s")
+
+
+def _prefill_requests(cluster: Cluster) -> float:
+    """Requests both prefills finished, by vLLM's own counter."""
+    total = 0.0
+    for name in PREFILLS:
+        with urllib.request.urlopen(f"{cluster.instance_url(name)}/metrics") as resp:
+            total += metric(resp.read().decode(), "vllm:request_success_total") or 0.0
+    return total
