@@ -227,3 +227,30 @@ def test_a_side_channel_reset_in_a_burst_of_registrations(cluster, reference):
     assert sum(killed) >= 1, "ss -K found no side-channel connection to reset"
     assert_correct_or_clear_error(reference, replies)
     pair_works_again(cluster, reference, "completion-shared-prefix")
+
+
+def test_kill_prefill_off_loopback_waits_for_its_new_boot(cluster, reference):
+    """kill -9 of prefill on its own host while a transfer is matched but
+    not posted. Off loopback a closed connection proves nothing (a partition
+    looks the same), so decode keeps the blocks until the restarted prefill
+    answers (its HelloReply's new boot id proves the old one gone; its
+    answer to decode's Reconcile says it never heard of the transfer), and
+    decode computes the prompt itself."""
+    before = faults.counters(cluster)
+    faults.set_faults(cluster, delay_post_s=30.0)  # matched, held back
+
+    def kill_and_restart(first: str) -> None:
+        tid = faults.wait_transfer_phase(cluster, first, "kv_ready")
+        assert "write_posted" not in faults.phases(cluster, tid)
+        faults.kill_instance(cluster, "prefill0")
+        faults.set_faults(cluster)
+        cluster.restart("prefill0")
+
+    replies = send_all(cluster, ["concurrent-5"], kill_and_restart, "kill")
+    assert assert_correct_or_clear_error(reference, replies) == 0
+    faults.nudge(cluster, "decode0")
+    time.sleep(1.0)
+    assert faults.delta(before, cluster, "decode0", "fallback") >= 1, faults.counters(
+        cluster
+    )
+    pair_works_again(cluster, reference, "concurrent-6")
