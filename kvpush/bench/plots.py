@@ -8,7 +8,9 @@
   server's handover phases drawn inside where timelines exist.
 
 On a rehearsal swept over link rates every configuration at every rate is
-a series of its own (``kvpush @4 Gbit/s``).
+a series of its own (``kvpush @4 Gbit/s``); with a single sweep point,
+TTFT and TPOT are drawn against the link rate instead, one line per
+configuration.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from kvpush.bench.records import RequestRecord
-from kvpush.bench.report import AXIS_NAMES, plot_files
+from kvpush.bench.report import AXIS_NAMES, plot_axis, plot_files
 from kvpush.bench.stats import ttft_s
 from kvpush.bench.summary import BenchSummary, ConfigResult
 from kvpush.bench.timeline import MATCHED, Timeline
@@ -48,12 +50,13 @@ def write_plots(
     num_timeline_requests: int = 8,
 ) -> list[Path]:
     """Write every plot into ``out_dir``; returns their paths."""
-    files = plot_files(summary.axis)
+    files = plot_files(plot_axis(summary))
     runs = [c for c in summary.configs if c.status == "ok"]
     timeline_path = out_dir / files["timeline"]
+    against = _against_rate if plot_axis(summary) == "link_gbit" else _against_axis
     return [
-        _against_axis(summary, runs, "ttft_ms", "TTFT", out_dir / files["ttft"]),
-        _against_axis(summary, runs, "tpot_ms", "TPOT", out_dir / files["tpot"]),
+        against(summary, runs, "ttft_ms", "TTFT", out_dir / files["ttft"]),
+        against(summary, runs, "tpot_ms", "TPOT", out_dir / files["tpot"]),
         _cdf(summary, runs, records, out_dir / files["cdf"]),
         _timeline(runs, records, timelines, num_timeline_requests, timeline_path),
     ]
@@ -86,6 +89,35 @@ def _against_axis(
     ax.set_ylabel(f"{what} (ms)")
     ax.set_title(f"{what} p50 (solid) and p99 (dashed)")
     _log_if_wide(ax, summary, runs, field)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    return _save(fig, path)
+
+
+def _against_rate(
+    summary: BenchSummary,
+    runs: Sequence[ConfigResult],
+    field: str,
+    what: str,
+    path: Path,
+) -> Path:
+    """One line per configuration across the link rates (single point)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    names = list(dict.fromkeys(run.name for run in runs))
+    point = summary.points[0].index
+    for i, name in enumerate(names):
+        mine = [run for run in runs if run.name == name and run.link_gbit is not None]
+        xs = [float(run.link_gbit or 0.0) for run in mine]
+        color = _COLORS[i % len(_COLORS)]
+        for pct, style in (("p50", "-o"), ("p99", "--^")):
+            ys = [_value(run, point, field, pct) for run in mine]
+            ax.plot(xs, ys, style, color=color, label=f"{name} {pct}")
+    ax.set_xscale("log")
+    rates = [r for r in summary.link_rates if r is not None]
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.set_xlabel(f"{AXIS_NAMES['link_gbit']}, {summary.points[0].label}")
+    ax.set_ylabel(f"{what} (ms)")
+    ax.set_title(f"{what} p50 (solid) and p99 (dashed)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
     return _save(fig, path)

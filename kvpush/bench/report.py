@@ -21,7 +21,21 @@ from kvpush.bench.timeline import HandoverStats
 from kvpush.bench.writes import descriptor_line
 
 REFERENCES = ("colocated", "vllm-pull")
-AXIS_NAMES = {"qps": "QPS", "concurrency": "concurrency", "prompt_len": "prompt length"}
+AXIS_NAMES = {
+    "qps": "QPS",
+    "concurrency": "concurrency",
+    "prompt_len": "prompt length",
+    "link_gbit": "link rate (Gbit/s)",
+}
+
+
+def plot_axis(summary: BenchSummary) -> str:
+    """What the plots put on their x axis: the sweep axis, or the link rate
+    for a rehearsal swept over rates at a single point."""
+    rates = summary.link_rates
+    if len(summary.points) == 1 and len(rates) > 1 and None not in rates:
+        return "link_gbit"
+    return summary.axis
 
 
 def plot_files(axis: str) -> dict[str, str]:
@@ -310,8 +324,8 @@ def _load_table(summary: BenchSummary) -> str:
 
 def _plots(summary: BenchSummary, image_dir: str) -> str:
     prefix = f"{image_dir.rstrip('/')}/" if image_dir else ""
-    axis = AXIS_NAMES.get(summary.axis, summary.axis)
-    files = plot_files(summary.axis)
+    axis = AXIS_NAMES.get(plot_axis(summary), plot_axis(summary))
+    files = plot_files(plot_axis(summary))
     return "\n\n".join([
         "## Plots",
         f"![TTFT p50 and p99 against {axis}]({prefix}{files['ttft']})",

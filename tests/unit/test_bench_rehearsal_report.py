@@ -229,6 +229,14 @@ def test_publishing_a_section_leaves_the_rest_of_the_file(tmp_path: Path) -> Non
     assert "### Over the links" in body
     assert "![TTFT CDF per point](docs/bench/rehearsal-ttft/ttft_cdf.png)" in body
     assert (root / "docs" / "bench" / "rehearsal-ttft" / "ttft_cdf.png").exists()
+    # one point swept over two rates: TTFT and TPOT drawn against the rate
+    assert (
+        "against link rate (Gbit/s)](docs/bench/rehearsal-ttft/ttft_vs_link_gbit.png)"
+        in body
+    )
+    assert (
+        root / "docs" / "bench" / "rehearsal-ttft" / "tpot_vs_link_gbit.png"
+    ).exists()
     assert len(files) == 5
     # the next full publish keeps the section
     publish(tmp_path, s, root)
