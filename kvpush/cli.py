@@ -240,6 +240,11 @@ def _add_up(sub: Any) -> None:
         help="with --hosts netns: shape each host's egress to this rate (tbf)",
     )
     p.add_argument(
+        "--binding",
+        choices=["auto", "early", "skip"],
+        help="kvpush mode: the router's --binding (default: the router's, early)",
+    )
+    p.add_argument(
         "--model-preset",
         choices=sorted(PRESETS),
         help="serve a named model shape, made on first use under "
@@ -275,7 +280,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
     "base_side_channel_port", "startup_timeout_s", "hosts", "link_gbit",
-    *INSTANCE_KEYS,
+    "binding", *INSTANCE_KEYS,
 )  # fmt: skip
 
 

@@ -222,7 +222,7 @@ def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
         config.host,
         "--port",
         str(config.port),
-    ]
+    ] + (["--binding", config.binding] if config.binding else [])
 
 
 def _router_env() -> dict[str, str]:

@@ -18,6 +18,7 @@ from kvpush.connector.config import (
     check_push_granularity,
 )
 from kvpush.launcher.netns import MAX_LINK_GBIT
+from kvpush.router.binding import check_policy
 from kvpush.settings_file import read_settings_file
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
 from kvpush.topology import MODES
@@ -63,6 +64,9 @@ class ClusterConfig:
     network namespace with its own address (see
     :mod:`kvpush.launcher.netns`), its egress shaped to ``link_gbit`` Gbit/s
     when that is set. The router stays on ``host``.
+
+    ``binding`` (kvpush mode) is the router's ``--binding`` (None: the
+    router's default); see :mod:`kvpush.router.binding`.
     """
 
     mode: str = "vllm-pull"
@@ -96,12 +100,16 @@ class ClusterConfig:
     push_granularity: str = DEFAULT_PUSH_GRANULARITY
     hosts: str = "local"
     link_gbit: float | None = None
+    binding: str | None = None
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
         self._check_counts()
         self._check_ports()
         self._check_hosts()
+        if self.binding is not None:
+            _require(self.mode == "kvpush", "--binding is for kvpush mode")
+            check_policy(self.binding)
         check_instance_settings(self)
         _require(self.startup_timeout_s > 0, "startup_timeout_s must be positive")
         _require(all(c >= 0 for c in self.cores), "cores must be CPU numbers >= 0")

@@ -26,7 +26,7 @@ from tests.integration.conftest import Cluster, start_cluster
 pytestmark = pytest.mark.integration
 
 LINK_GBIT = 4.0
-BLOCK_TOKENS = 16  # vLLM's default block size, which the launcher keeps
+BLOCK_TOKENS = 128  # the CPU backend's default block size, which the launcher keeps
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -131,3 +131,17 @@ def test_push_granularity_reaches_the_connector(tmp_path: Path) -> None:
     assert kv["kv_connector_extra_config"]["push_granularity"] == "chunk"
     with pytest.raises(ValueError, match="not yet supported"):
         ClusterConfig(mode="kvpush", push_granularity="layer")
+
+
+def test_up_passes_the_binding_to_its_router(tmp_path: Path) -> None:
+    from kvpush.launcher.cluster import router_command
+
+    args = _parser().parse_args(["up", "--mode", "kvpush", "--binding", "auto"])
+    config = up_config(args)
+    cmd = router_command(config, tmp_path)
+    assert cmd[cmd.index("--binding") + 1] == "auto"
+    assert "--binding" not in router_command(ClusterConfig(mode="kvpush"), tmp_path)
+    with pytest.raises(ValueError, match="for kvpush mode"):
+        ClusterConfig(mode="vllm-pull", binding="auto")
+    with pytest.raises(ValueError, match="late is not yet supported"):
+        ClusterConfig(mode="kvpush", binding="late")
