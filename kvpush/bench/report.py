@@ -112,9 +112,9 @@ def _setup(summary: BenchSummary) -> str:
         f"prefill + {s.get('num_decode')} decode; one core per instance, the "
         "kvpush router in front of each",
         f"- **Workload:** {_workload_line(s)}",
-        hosts_line(summary),
     ]
-    return "\n".join(line for line in lines if line)
+    hosts = hosts_line(summary)
+    return "\n".join([*lines, hosts] if hosts else lines)
 
 
 def _workload_line(s: dict[str, object]) -> str:

@@ -142,6 +142,7 @@ def test_every_rate_has_its_headline_row_and_point_section() -> None:
     assert "| kvpush | 4 / 4 | 0 | 650 |" in one
     assert "| kvpush | 4 / 4 | 0 | 162 |" in text.split("## 4 Gbit/s, qps 1")[1]
     assert "shaped by tbf to 1 Gbit/s, 4 Gbit/s" in text
+    assert "## Setup\n\n- **Machine:**" in text
 
 
 def test_overhead_is_against_colocated_on_the_same_links() -> None:
