@@ -24,6 +24,7 @@ from kvpush.router.planner import Prompt
 from kvpush.router.requests import ParsedRequest
 from kvpush.router.retry import Attempts
 from kvpush.router.selection import Selector, choose
+from kvpush.router.tasks import cancel_all
 from kvpush.topology import Backend, Role
 
 if TYPE_CHECKING:
@@ -58,10 +59,7 @@ class Legs:
         return task
 
     async def abort(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=ABORT_WAIT_S)
+        await cancel_all(self._tasks, ABORT_WAIT_S)
         for task in self._tasks:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: a failure was already reported

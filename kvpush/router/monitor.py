@@ -22,6 +22,7 @@ import aiohttp
 from kvpush.router.config import RouterConfig
 from kvpush.router.health import HealthBoard, Transition
 from kvpush.router.metrics import RouterMetrics
+from kvpush.router.tasks import cancel_all
 from kvpush.topology import Backend
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,7 @@ class HealthMonitor:
 
     async def close(self) -> None:
         """Stop probing; waits at most ``STOP_WAIT_S`` for the tasks to end."""
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+        await cancel_all(self._tasks, STOP_WAIT_S)
         self._tasks = []
 
     def mark_unreachable(self, backend: Backend, detail: str) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import aiohttp
 
 from kvpush.router.signals import SignalBoard, parse_scrape
+from kvpush.router.tasks import cancel_all
 from kvpush.topology import Backend
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,7 @@ class SignalScraper:
 
     async def close(self) -> None:
         """Stop reading; waits at most ``STOP_WAIT_S`` for the tasks to end."""
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+        await cancel_all(self._tasks, STOP_WAIT_S)
         self._tasks = []
 
     async def read_once(self, session: aiohttp.ClientSession, backend: Backend) -> bool:

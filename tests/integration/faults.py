@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from kvpush import client
+from kvpush.launcher import process as proc
 from kvpush.launcher.instances import FAULT_FILE
 from kvpush.router.connector_stats import events_of
 from kvpush.transfer.messages import (
@@ -49,6 +50,16 @@ SHORT_DEADLINES: dict[str, Any] = {
     "max_num_batched_tokens": 64,
 }
 FAULT_RELOAD_S = 0.3  # the connector looks at the fault file every 0.1 s
+
+
+def restore(cluster: Cluster) -> None:
+    """After a fault test: no faults, and every process running again (a
+    kill test that failed before its restart must not fail the tests after
+    it)."""
+    set_faults(cluster)
+    for rec in cluster.state.processes:
+        if not proc.is_alive(rec.pid):
+            cluster.restart(rec.name)
 
 
 def set_faults(cluster: Cluster, **faults: Any) -> None:

@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 
 from kvpush import client
-from kvpush.launcher import process as proc
 from tests.fakes.fake_nixl import wait_for
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
@@ -58,10 +57,7 @@ def clean_slate_after(cluster: Cluster) -> Iterator[None]:
     """After each test: no faults, and every process running again (a kill
     test that failed before its restart must not fail the tests after it)."""
     yield
-    faults.set_faults(cluster)
-    for rec in cluster.state.processes:
-        if not proc.is_alive(rec.pid):
-            cluster.restart(rec.name)
+    faults.restore(cluster)
 
 
 def prompt(i: int) -> tuple[str, str, dict[str, Any]]:

@@ -19,20 +19,12 @@ from typing import Any
 import pytest
 
 from kvpush import client
-from kvpush.launcher import process as proc
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
 
 pytestmark = pytest.mark.integration
 
-OPTIONS: dict[str, Any] = {
-    "fault_injection": True,
-    "registration_ttl_s": 8.0,
-    "ready_ttl_s": 4.0,
-    "peer_timeout_s": 3.0,
-    "max_num_batched_tokens": 64,
-    "push_granularity": "chunk",
-}
+OPTIONS: dict[str, Any] = {**faults.SHORT_DEADLINES, "push_granularity": "chunk"}
 DEADLINE_S = 60.0
 
 
@@ -52,10 +44,7 @@ def cluster(
 @pytest.fixture(autouse=True)
 def clean_slate_after(cluster: Cluster) -> Iterator[None]:
     yield
-    faults.set_faults(cluster)
-    for rec in cluster.state.processes:
-        if not proc.is_alive(rec.pid):
-            cluster.restart(rec.name)
+    faults.restore(cluster)
 
 
 def send(cluster: Cluster, name: str, client_id: str) -> client.Reply:
