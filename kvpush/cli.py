@@ -104,6 +104,7 @@ def _add_router_health_options(p: argparse.ArgumentParser) -> None:
 ROUTING_OPTIONS = (
     "binding",
     "skip_max_new_tokens",
+    "late_min_busy",
     "block_size",
     "prefix_index_entries",
     "session_header",
@@ -118,15 +119,23 @@ def _add_router_routing_options(p: argparse.ArgumentParser) -> None:
         "--binding",
         choices=["auto", "early", "late", "skip"],
         help="kvpush mode: auto decides per request (no prefill leg when the "
-        "chosen decode has few tokens to compute), early always sends both legs "
-        "at once, skip never sends a prefill leg; late is not yet supported "
-        "(default early)",
+        "chosen decode has few tokens to compute, late when every decode is "
+        "busy, else early), early always sends both legs at once, late sends "
+        "the prefill leg first and chooses the decode when its KV is ready, "
+        "skip never sends a prefill leg (default early)",
     )
     p.add_argument(
         "--skip-max-new-tokens",
         type=int,
         help="auto: skip the prefill leg when decode would compute at most this "
         "many tokens itself (default 256)",
+    )
+    p.add_argument(
+        "--late-min-busy",
+        type=float,
+        help="auto: bind late when the chosen decode's busy score (requests "
+        "running + waiting, +waiting, +100 near a full KV cache) is above this "
+        "(default 4)",
     )
     p.add_argument(
         "--block-size",

@@ -39,6 +39,7 @@ from kvpush.topology import Backend
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+N_MODES = ("colocated", "kvpush")  # modes that serve n > 1 (parallel sampling)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -208,7 +209,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     state, started = request.app[STATE], time.monotonic()
     try:
         raw = await request.read()
-        parsed = parse_request(raw, endpoint, allow_n=state.config.mode == "colocated")
+        parsed = parse_request(raw, endpoint, allow_n=state.config.mode in N_MODES)
     except (RouterError, web.HTTPRequestEntityTooLarge) as exc:
         err = exc if isinstance(exc, RouterError) else _too_large(state.config)
         state.metrics.rejected(endpoint, str(err.status), err.cause)

@@ -4,14 +4,19 @@
 - **skip**: no prefill leg; the chosen decode computes what it does not
   hold itself (a plain request, no ``kv_transfer_params``: vLLM's prefix
   cache serves the held part);
-- **late** (not yet: it needs the claim protocol of issue 14): the prefill
-  leg first, naming no decode, the decode claimed once the KV is ready.
+- **late**: the prefill leg first, naming no decode but carrying the hash
+  of a claim token; the decode is chosen when prefill answers (its KV is
+  computed and held), and the decode leg carries the token, which is what
+  lets that one decode claim the ready KV (``kvpush.transfer.matcher``).
 
 :func:`decide` is the policy, pure. The router's ``--binding`` is ``auto``
 or forces one binding. ``auto`` skips when the decode chosen would have to
 compute at most ``skip_max_new_tokens`` tokens itself, counting what the
 router believes it holds, or when no prefill is usable; else it binds
-early. Every decision has a reason, counted in
+early when the decode is clearly free (its busy score, see
+:func:`kvpush.router.scoring.busy_score`, at most ``late_min_busy``) and
+late when it is not: the decode is then chosen once the KV is ready, on
+fresher load. Every decision has a reason, counted in
 ``kvpush_router_binding_total{binding,reason}``.
 """
 
@@ -23,15 +28,19 @@ from typing import Literal
 Binding = Literal["early", "late", "skip"]
 BindingPolicy = Literal["auto", "early", "late", "skip"]
 POLICIES: tuple[str, ...] = ("auto", "early", "late", "skip")
-SUPPORTED_POLICIES: tuple[str, ...] = ("auto", "early", "skip")
 DEFAULT_SKIP_MAX_NEW_TOKENS = 256  # two CPU blocks of 128 tokens
+# auto binds late above this busy score of the best decode (request
+# equivalents: an unknown, idle decode scores 4, one running 4 requests with
+# an empty KV cache 4).
+DEFAULT_LATE_MIN_BUSY = 4.0
 
 Reason = Literal[
-    "forced",  # --binding early|skip
+    "forced",  # --binding early|late|skip
     "prefix_held",  # decode holds the whole prompt but a partial block
     "few_new_tokens",  # decode holds a prefix; the rest is under the threshold
     "short_prompt",  # nothing held, the whole prompt is under the threshold
-    "new_tokens",  # more new tokens than the threshold
+    "new_tokens",  # more new tokens than the threshold, decode clearly free
+    "decode_busy",  # more new tokens than the threshold, every decode busy
     "tokens_unknown",  # the prompt could not be counted: bind early
     "no_prefill",  # no usable prefill: decode computes the prompt
 ]
@@ -50,15 +59,10 @@ class BindingDecision:
 
 
 def check_policy(policy: str) -> None:
-    """``ValueError`` naming what to use for an unknown or unsupported policy."""
-    if policy == "late":
+    """``ValueError`` naming what to use for an unknown policy."""
+    if policy not in POLICIES:
         raise ValueError(
-            "--binding late is not yet supported: it needs the late-binding "
-            "claim protocol (issue 14); use auto, early or skip"
-        )
-    if policy not in SUPPORTED_POLICIES:
-        raise ValueError(
-            f"unknown binding {policy!r}; use one of {', '.join(SUPPORTED_POLICIES)}"
+            f"unknown binding {policy!r}; use one of {', '.join(POLICIES)}"
         )
 
 
@@ -76,17 +80,19 @@ def decide(
     block_size: int,
     skip_max_new_tokens: int,
     has_prefill: bool,
+    decode_busy: float = 0.0,
+    late_min_busy: float = DEFAULT_LATE_MIN_BUSY,
 ) -> BindingDecision:
     """The binding of one request on its chosen decode.
 
     ``num_prompt_tokens`` is None when the prompt could not be counted;
     ``num_held_tokens`` is what the decode is believed to hold (whole
-    blocks of ``block_size``); ``has_prefill`` whether any prefill is usable.
+    blocks of ``block_size``); ``has_prefill`` whether any prefill is usable;
+    ``decode_busy`` the chosen decode's busy score (the best decode's, as
+    the decode is chosen by score first).
     """
-    if policy == "early":
-        return BindingDecision("early", "forced")
-    if policy == "skip":
-        return BindingDecision("skip", "forced")
+    if policy == "early" or policy == "late" or policy == "skip":
+        return BindingDecision(policy, "forced")
     if policy != "auto":
         check_policy(policy)
     if not has_prefill:
@@ -95,6 +101,8 @@ def decide(
         return BindingDecision("early", "tokens_unknown")
     new = num_new_tokens(num_prompt_tokens, num_held_tokens)
     if new > skip_max_new_tokens:
+        if decode_busy > late_min_busy:
+            return BindingDecision("late", "decode_busy")
         return BindingDecision("early", "new_tokens")
     if num_held_tokens <= 0:
         return BindingDecision("skip", "short_prompt")

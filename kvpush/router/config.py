@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpush.router.binding import (
+    DEFAULT_LATE_MIN_BUSY,
     DEFAULT_SKIP_MAX_NEW_TOKENS,
     BindingPolicy,
     check_policy,
@@ -26,10 +27,12 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 class RoutingConfig:
     """How kvpush mode chooses instances and binding (``planner.py``).
 
-    ``binding``: ``auto`` decides per request, ``early`` or ``skip`` force
-    one (``late`` is refused until its protocol exists);
+    ``binding``: ``auto`` decides per request, ``early``, ``late`` or
+    ``skip`` force one;
     ``skip_max_new_tokens``: ``auto`` sends no prefill leg when the chosen
     decode would compute at most this many tokens itself;
+    ``late_min_busy``: ``auto`` binds late when even the chosen decode's
+    busy score (``scoring.busy_score``, request equivalents) is above this;
     ``block_size``: tokens per block of the prefix index, vLLM's
     ``--block-size`` of the decodes (128 on the CPU backend);
     ``prefix_index_entries`` bounds the index ((decode, block) pairs);
@@ -45,6 +48,7 @@ class RoutingConfig:
 
     binding: BindingPolicy = "early"
     skip_max_new_tokens: int = DEFAULT_SKIP_MAX_NEW_TOKENS
+    late_min_busy: float = DEFAULT_LATE_MIN_BUSY
     block_size: int = 128
     prefix_index_entries: int = 65536
     session_header: str = "x-session-id"
@@ -61,6 +65,11 @@ class RoutingConfig:
             raise ValueError(
                 f"skip_max_new_tokens must be >= 0 (0: skip only full hits), "
                 f"not {self.skip_max_new_tokens}"
+            )
+        if self.late_min_busy < 0:
+            raise ValueError(
+                f"late_min_busy must be >= 0 (request equivalents), "
+                f"not {self.late_min_busy}"
             )
         _check_count("block_size", self.block_size, "tokens (vLLM's --block-size)")
         _check_count("prefix_index_entries", self.prefix_index_entries, "entries")

@@ -17,7 +17,9 @@ attempts share the one request deadline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -29,6 +31,7 @@ from aiohttp import web
 from kvpush.router.context import ClientGone, FlowContext
 from kvpush.router.errors import RouterError, upstream_timeout
 from kvpush.router.legs import is_connection_lost, open_first, run_prefill
+from kvpush.router.planner import RoutePlan
 from kvpush.router.relay import relay, reply_error
 from kvpush.router.requests import PushDecodeParams, returned_kv_params
 from kvpush.router.selection import has_every_role
@@ -159,19 +162,66 @@ async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
     """kvpush: the planner (``routing.py``) chooses the decode, the binding
     and, for a prefill leg, the prefill. Skip: decode alone gets the client's
     body unchanged and computes what its prefix cache lacks. Early: both legs
-    at once (:func:`_early_flow`)."""
+    at once (:func:`_early_flow`). Late: prefill first, then the decode
+    chosen on the load of that moment (:func:`_late_flow`)."""
     if ctx.routing is None:
         raise RuntimeError("kvpush mode needs the router's Routing")
     plan = await ctx.routing.plan(ctx)
-    ctx.take(plan.decode)
-    if plan.prefill is None:
+    prefill = plan.prefill
+    if prefill is None:
+        ctx.take(plan.decode)
         response, first = await open_first(ctx, "decode", plan.decode, ctx.parsed.raw)
         out = await relay(ctx, "decode", plan.decode, response, first)
+    elif plan.decision.binding == "late":
+        out, plan = await _late_flow(ctx, plan, prefill)
     else:
-        ctx.take(plan.prefill)
-        out = await _early_flow(ctx, plan.prefill, plan.decode)
+        ctx.take(plan.decode)
+        ctx.take(prefill)
+        out = await _early_flow(ctx, prefill, plan.decode)
     ctx.routing.served(plan)
     return out
+
+
+def claim_digest(token: str) -> str:
+    """What a late prefill leg carries of its claim token: the SHA-256 hex
+    digest (prefill's logs and request params never hold the token)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+async def _late_flow(
+    ctx: FlowContext, plan: RoutePlan, prefill: Backend
+) -> tuple[web.StreamResponse, RoutePlan]:
+    """kvpush late binding: the prefill leg alone, naming no decode but the
+    digest of a fresh claim token (one per attempt); once prefill answered
+    (its KV is computed and held, under its ready deadline) the decode is
+    chosen and its leg carries the token, so that decode's registration is
+    the one that may claim the KV. Any failure before decode answers is the
+    attempt's (a retry plans again with a fresh transfer id and token; KV a
+    dead attempt left on prefill is freed at prefill's ready deadline)."""
+    if ctx.routing is None:
+        raise RuntimeError("kvpush mode needs the router's Routing")
+    transfer_id, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
+    ctx.take(prefill)
+    await run_prefill(
+        ctx,
+        prefill,
+        PrefillLeg(transfer_id=transfer_id, claim_sha256=claim_digest(token)),
+    )
+    bound = ctx.routing.bind_late(ctx, plan, prefill)
+    ctx.take(bound.decode)
+    leg = DecodeLeg(
+        transfer_id=transfer_id,
+        prefill_engine_id=prefill.engine_id,
+        prefill_host=prefill.side_channel_host,
+        prefill_port=prefill.side_channel_port,
+        claim_token=token,
+    )
+    decode = bound.decode
+    response, first = await open_first(
+        ctx, "decode", decode, ctx.parsed.decode_body(leg)
+    )
+    out = await relay(ctx, "decode", decode, response, first)
+    return out, bound
 
 
 async def _early_flow(

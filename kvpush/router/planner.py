@@ -15,9 +15,12 @@ that decode holds, then (only when a prefill leg runs) the prefill:
 3. **Prefill.** Only for a prefill leg: usable prefills scored by queue
    plus the transfer figures of the pair with the chosen decode.
 
-A late binding, when it exists, slots in at step 2: it would return a
-decision without a decode, and the flow would choose the decode at the
-prefill's answer with the same :meth:`Planner.choose_decode`.
+A late binding (forced, or ``auto`` when even the best decode is busy)
+keeps the plan's decode only as the one the binding was decided on: the
+prefill is chosen without a pair (no transfer term), and the flow chooses
+the decode at prefill's answer with :meth:`Planner.choose_late_decode`
+(the same scoring, on the load of that moment, the transfer term of the
+prefill that holds the KV).
 
 Pure: the caller passes the prompt's tokens and the time; runs on the
 router's event loop only (no locks anywhere on this path).
@@ -37,6 +40,7 @@ from kvpush.router.health import HealthBoard
 from kvpush.router.prefix import PrefixIndex, block_hashes, rendezvous_order
 from kvpush.router.scoring import (
     Load,
+    busy_score,
     decode_score,
     pick,
     prefill_score,
@@ -61,7 +65,9 @@ class Prompt:
 @dataclass(frozen=True)
 class RoutePlan:
     """One attempt's route. ``prefill`` is None exactly when skipping;
-    ``hashes`` are the prompt's full-block hashes (recorded on success)."""
+    ``hashes`` are the prompt's full-block hashes (recorded on success).
+    Bound late, ``decode`` is the one the binding was decided on until the
+    flow replaces it with the decode it claims for (``dataclasses.replace``)."""
 
     decode: Backend
     prefill: Backend | None
@@ -117,13 +123,36 @@ class Planner:
             block_size=self.config.block_size,
             skip_max_new_tokens=self.config.skip_max_new_tokens,
             has_prefill=bool(ready_prefills),
+            decode_busy=busy_score(self._load(decode, now), self.config.weights),
+            late_min_busy=self.config.late_min_busy,
         )
         prefill = None
         if decision.has_prefill_leg:
             if not ready_prefills:
                 raise no_healthy_instance("prefill", len(prefills))
-            prefill = self.choose_prefill(ready_prefills, decode, now)
+            pair = None if decision.binding == "late" else decode
+            prefill = self.choose_prefill(ready_prefills, pair, now)
         return RoutePlan(decode, prefill, decision, reason, held, hashes)
+
+    def choose_late_decode(
+        self,
+        decodes: Sequence[Backend],
+        avoided: Collection[str],
+        prompt: Prompt,
+        prefill: Backend,
+        hashes: Sequence[int],
+        now: float,
+    ) -> tuple[Backend, DecodeReason, int]:
+        """A late-bound request's decode, chosen once ``prefill`` holds its
+        KV: as :meth:`choose_decode`, on the load of now, with the transfer
+        term of that prefill only. A 503 ``RouterError`` when none is usable."""
+        candidates = usable(decodes, self.health, avoided)
+        if not candidates:
+            raise no_healthy_instance("decode", len(decodes))
+        return self.choose_decode(
+            candidates, [d.engine_id for d in decodes], [prefill], prompt, hashes,
+            now,
+        )  # fmt: skip
 
     def choose_decode(
         self,
@@ -165,13 +194,18 @@ class Planner:
         return chosen, reason, held[chosen.engine_id]
 
     def choose_prefill(
-        self, candidates: Sequence[Backend], decode: Backend, now: float
+        self, candidates: Sequence[Backend], decode: Backend | None, now: float
     ) -> Backend:
-        """The prefill among ``candidates`` for a leg pushing to ``decode``."""
+        """The prefill among ``candidates`` for a leg pushing to ``decode``
+        (None: bound late, no pair known yet: by load alone)."""
         w = self.config.weights
 
         def score(p: Backend) -> float:
-            pair = self.signals.pair(p.engine_id, decode.engine_id, now)
+            pair = (
+                None
+                if decode is None
+                else self.signals.pair(p.engine_id, decode.engine_id, now)
+            )
             return prefill_score(self._load(p, now), pair, w)
 
         prefill = pick(

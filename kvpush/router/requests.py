@@ -80,6 +80,7 @@ class ParsedRequest:
             body.pop(key, None)
         body["max_tokens"] = 1
         body["stream"] = False
+        body["n"] = 1  # the prompt is computed once; decode samples n
         params = (
             RemoteDecodeParams() if kv_transfer_params is None else kv_transfer_params
         )
@@ -96,7 +97,9 @@ class ParsedRequest:
 def parse_request(raw: bytes, endpoint: Endpoint, allow_n: bool) -> ParsedRequest:
     """Decode and check a body; raise a 400 ``RouterError`` saying what is wrong.
 
-    ``allow_n`` is true only where the mode can serve ``n`` > 1 (colocated).
+    ``allow_n`` is true only where the mode can serve ``n`` > 1 (colocated,
+    and kvpush, whose prefill leg computes the prompt once, ``n`` 1, and
+    whose decode samples ``n`` from the one pushed KV).
     """
     body = _decode_object(raw)
     _check_payload(body, endpoint)
@@ -205,7 +208,7 @@ def _check_n(body: dict[str, Any], allow_n: bool) -> None:
         raise bad_request(f"n must be an integer >= 1, not {n!r}", "n")
     if n > 1 and not allow_n:
         raise bad_request(
-            "n > 1 is not supported with disaggregated prefill/decode yet; "
-            "send n=1 (or several requests)",
+            "n > 1 is not supported with vLLM's own P/D connectors "
+            "(vllm-pull, vllm-push); send n=1, several requests, or use kvpush",
             "n",
         )

@@ -7,13 +7,15 @@ The app builds one :class:`Routing` in kvpush mode (``app.py``): it owns the
 :class:`~kvpush.router.planner.Planner`. For each attempt ``dispatch.py``
 calls :meth:`Routing.plan`, which counts the prompt once per request
 (``binding auto`` only: the other bindings need no count, so they pay no
-``/tokenize`` round trip), plans, and counts the decision; after decode's
-answer was relayed it calls :meth:`Routing.served`. An instance the health
+``/tokenize`` round trip), plans, and counts the decision; a late-bound
+attempt calls :meth:`Routing.bind_late` once its prefill answered; after
+decode's answer was relayed it calls :meth:`Routing.served`. An instance the health
 checks mark down is forgotten (its index entries and reads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import aiohttp
@@ -28,6 +30,7 @@ from kvpush.router.scraper import SignalScraper
 from kvpush.router.selection import usable
 from kvpush.router.signals import SignalBoard
 from kvpush.router.tokenize import fetch_tokens
+from kvpush.topology import Backend
 
 BINDING_HEADER = "x-kvpush-binding"
 DECODE_HEADER = "x-kvpush-decode"
@@ -78,12 +81,38 @@ class Routing:
             time.monotonic(),
         )
         self._metrics.binding(plan.decision.binding, plan.decision.reason)
+        if plan.decision.binding != "late":  # its decode is chosen later
+            self._announce(ctx, plan)
+        return plan
+
+    def bind_late(
+        self, ctx: FlowContext, plan: RoutePlan, prefill: Backend
+    ) -> RoutePlan:
+        """A late-bound attempt's prefill holds the KV: choose its decode now
+        (on the load of now); the plan with that decode, counted and put in
+        the headers."""
+        if ctx.prompt is None:
+            raise RuntimeError("bind_late before plan")
+        decode, reason, held = self.planner.choose_late_decode(
+            self.config.topology.decodes,
+            ctx.attempts.avoided,
+            ctx.prompt,
+            prefill,
+            plan.hashes,
+            time.monotonic(),
+        )
+        bound = dataclasses.replace(
+            plan, decode=decode, decode_reason=reason, num_held_tokens=held
+        )
+        self._announce(ctx, bound)
+        return bound
+
+    def _announce(self, ctx: FlowContext, plan: RoutePlan) -> None:
         self._metrics.decode_choice(plan.decode_reason)
         ctx.response_headers = {
             BINDING_HEADER: plan.decision.binding,
             DECODE_HEADER: plan.decode.engine_id,
         }
-        return plan
 
     def served(self, plan: RoutePlan) -> None:
         """Decode answered the plan's request in full."""

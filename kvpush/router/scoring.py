@@ -66,6 +66,15 @@ def queue_score(load: Load, w: ScoreWeights) -> float:
     return busy + w.waiting * s.num_waiting
 
 
+def busy_score(load: Load, w: ScoreWeights) -> float:
+    """How far a decode is from clearly free: its queue term, plus the KV
+    penalty when its cache is nearly full (binding ``auto`` binds late above
+    a threshold of this)."""
+    usage = None if load.signals is None else load.signals.kv_usage
+    full = usage is not None and usage >= w.kv_full_at
+    return queue_score(load, w) + (w.kv_full if full else 0.0)
+
+
 def kv_score(load: Load, w: ScoreWeights) -> float:
     """The KV term; unknown usage costs half the full weight."""
     usage = None if load.signals is None else load.signals.kv_usage

@@ -143,5 +143,6 @@ def test_up_passes_the_binding_to_its_router(tmp_path: Path) -> None:
     assert "--binding" not in router_command(ClusterConfig(mode="kvpush"), tmp_path)
     with pytest.raises(ValueError, match="for kvpush mode"):
         ClusterConfig(mode="vllm-pull", binding="auto")
-    with pytest.raises(ValueError, match="late is not yet supported"):
-        ClusterConfig(mode="kvpush", binding="late")
+    assert ClusterConfig(mode="kvpush", binding="late").binding == "late"
+    with pytest.raises(ValueError, match="unknown binding"):
+        ClusterConfig(mode="kvpush", binding="never")

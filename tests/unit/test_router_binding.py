@@ -61,13 +61,28 @@ def test_decode_always_computes_at_least_the_last_prompt_token() -> None:
     assert num_new_tokens(512, 0) == 512
 
 
-def test_late_binding_is_refused_until_its_protocol_exists() -> None:
-    with pytest.raises(ValueError, match="late is not yet supported"):
-        check_policy("late")
-    with pytest.raises(ValueError, match="not yet supported"):
-        RoutingConfig(binding="late")
-    with pytest.raises(ValueError, match="unknown binding"):
+def test_every_binding_can_be_configured_and_others_are_refused() -> None:
+    for policy in ("auto", "early", "late", "skip"):
+        check_policy(policy)
+        assert RoutingConfig(binding=policy).binding == policy  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown binding 'sometimes'"):
         check_policy("sometimes")
+    with pytest.raises(ValueError, match="late_min_busy"):
+        RoutingConfig(late_min_busy=-1.0)
+
+
+def test_auto_binds_late_only_when_the_decode_is_busy_and_a_prefill_runs() -> None:
+    def auto(busy: float, held: int = 0, tokens: int | None = 1000) -> BindingDecision:
+        return decide(
+            "auto", num_prompt_tokens=tokens, num_held_tokens=held, block_size=128,
+            skip_max_new_tokens=256, has_prefill=True, decode_busy=busy,
+            late_min_busy=4.0,
+        )  # fmt: skip
+
+    assert auto(4.0) == BindingDecision("early", "new_tokens")  # idle, unknown
+    assert auto(4.5) == BindingDecision("late", "decode_busy")
+    assert auto(100.0, held=768) == BindingDecision("skip", "few_new_tokens")
+    assert auto(100.0, tokens=None) == BindingDecision("early", "tokens_unknown")
 
 
 def test_routing_config_refuses_a_read_age_below_the_interval() -> None:

@@ -4,13 +4,14 @@ instances: headers, counters, what each instance received."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 import pytest
 
 from kvpush.router.config import RoutingConfig
 from kvpush.router.prefix import rendezvous_order
-from tests.fakes import Load, Routed, expected_text, prompt_text, routed
+from tests.fakes import Fault, Load, Routed, expected_text, prompt_text, routed
 from tests.fakes.metrics import metric
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(40))  # 40 fake tokens
@@ -128,10 +129,78 @@ async def test_decode_choice_avoids_a_loaded_decode_once_its_load_is_read() -> N
     assert decodes == {"decode1"}
 
 
-async def test_late_binding_cannot_be_configured_yet() -> None:
-    with pytest.raises(ValueError, match="late is not yet supported"):
-        async with routed("kvpush", routing=RoutingConfig(binding="late")):
-            pass
+@pytest.mark.parametrize("stream", [False, True])
+async def test_forced_late_sends_prefill_first_then_the_claim_to_a_decode(
+    stream: bool,
+) -> None:
+    async with routed("kvpush", num_decodes=2, routing=_routing("late")) as r:
+        reply = await _post(r, {**COMPLETION, "stream": stream})
+        assert reply.headers["x-kvpush-binding"] == "late"
+        decode = next(
+            d
+            for d in r.cluster.decodes
+            if d.engine_id == reply.headers["x-kvpush-decode"]
+        )
+        [prefill_leg] = r.cluster.prefills[0].received
+        [decode_leg] = decode.received
+        metrics = (await r.get("/metrics")).body.decode()
+    p, d = prefill_leg.kv_transfer_params, decode_leg.kv_transfer_params
+    assert p["role"] == "prefill" and p.get("decode_engine_id") is None
+    assert d["role"] == "decode" and d["transfer_id"] == p["transfer_id"]
+    assert d["prefill_engine_id"] == "prefill0"
+    assert hashlib.sha256(d["claim_token"].encode()).hexdigest() == p["claim_sha256"]
+    assert d["claim_token"] not in str(prefill_leg.body)  # only its digest
+    assert prefill_leg.answered_at is not None
+    assert decode_leg.arrived_at >= prefill_leg.answered_at  # chosen after
+    if not stream:
+        text = reply.json()["choices"][0]["text"]
+        assert text == expected_text(prompt_text(COMPLETION), 4)
+    assert _binding_count(metrics, "late", "forced") == 1
+
+
+async def test_late_binding_chooses_the_decode_on_the_load_at_prefills_answer() -> None:
+    async with routed("kvpush", num_decodes=2, routing=_routing("late")) as r:
+        decode0, decode1 = r.cluster.decodes
+        decode0.load = Load(num_waiting=0, num_running=0)
+        decode1.load = Load(num_waiting=6, num_running=8, kv_usage=0.5)
+        r.cluster.prefills[0].load = Load(num_waiting=0, num_running=0)
+        await _until_read(r)
+        r.cluster.prefills[0].fault = Fault(delay_s=0.8)
+        post = asyncio.create_task(_post(r, COMPLETION))
+        await asyncio.sleep(0.1)  # planned on decode0 being the free one
+        decode0.load, decode1.load = decode1.load, decode0.load
+        reply = await post
+    assert reply.headers["x-kvpush-decode"] == "decode1"
+    assert decode0.received == []
+
+
+async def test_auto_binds_late_when_every_decode_is_busy() -> None:
+    async with routed(
+        "kvpush", num_decodes=2, routing=_routing("auto", late_min_busy=4.0)
+    ) as r:
+        _tokenizing(r)
+        for fake in r.cluster.decodes:
+            fake.load = Load(num_waiting=0, num_running=6, kv_usage=0.2)
+        await _until_read(r)
+        busy = await _post(r, COMPLETION)
+        for fake in r.cluster.decodes:
+            fake.load = Load(num_waiting=0, num_running=0)
+        await _until_read(r)
+        other = " ".join(f"other{i}" for i in range(40))  # nothing held
+        free = await _post(r, {**COMPLETION, "prompt": other})
+        metrics = (await r.get("/metrics")).body.decode()
+    assert busy.headers["x-kvpush-binding"] == "late"
+    assert free.headers["x-kvpush-binding"] == "early"
+    assert _binding_count(metrics, "late", "decode_busy") == 1
+    assert _binding_count(metrics, "early", "new_tokens") == 1
+
+
+async def test_a_late_prefill_that_fails_reaches_no_decode() -> None:
+    async with routed("kvpush", num_decodes=2, routing=_routing("late")) as r:
+        r.cluster.prefills[0].fault = Fault(status=500)
+        reply = await r.post("/v1/completions", COMPLETION)
+    assert reply.status >= 500
+    assert all(d.received == [] for d in r.cluster.decodes)
 
 
 async def test_auto_binding_needs_kvpush_mode() -> None:

@@ -105,10 +105,20 @@ async def test_bad_input_is_400_and_reaches_no_backend(
     assert reply.headers["X-Request-Id"]
 
 
-async def test_colocated_mode_accepts_n_above_one() -> None:
-    async with routed("colocated") as r:
+@pytest.mark.parametrize("mode", ["colocated", "kvpush"])
+async def test_colocated_and_kvpush_modes_accept_n_above_one(mode: str) -> None:
+    async with routed(mode) as r:  # type: ignore[arg-type]
         reply = await r.post("/v1/completions", {**COMPLETION, "n": 2})
+        bodies = [rec.body for fake in r.cluster.fakes for rec in fake.received]
     assert reply.status == 200
+    if mode == "kvpush":  # one prefill (n 1), decode samples n
+        prefill_leg = next(
+            b for b in bodies if b["kv_transfer_params"]["role"] == "prefill"
+        )
+        decode_leg = next(
+            b for b in bodies if b["kv_transfer_params"]["role"] == "decode"
+        )
+        assert (prefill_leg["n"], decode_leg["n"]) == (1, 2)
 
 
 @pytest.mark.parametrize(
