@@ -23,16 +23,19 @@ class PushTrigger:
     computes the last prompt token. Streamed, each step that completes
     blocks triggers those; the step with the last token is ``final``.
     ``cached``: blocks prefill's own prefix cache held, computed by no
-    forward of this request: ready before this step's forward."""
+    forward of this request: ready before this step's forward.
+    ``decode_engine_id`` (early binding) or ``claim_sha256`` (late: no
+    decode named yet), from the request's leg."""
 
     req_id: str
     transfer_id: str
     src_block_ids: tuple[int, ...]
     num_tokens: int
-    decode_engine_id: str
+    decode_engine_id: str | None
     first_block: int = 0
     final: bool = True
     cached: bool = False
+    claim_sha256: str | None = None
 
 
 @dataclass(frozen=True)

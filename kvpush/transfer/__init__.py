@@ -15,7 +15,8 @@ Module map, in the order one request meets them:
   memory, and the compatibility check between two instances.
 * ``matcher`` — prefill's :class:`Matcher`: pairs decode's Registration with
   prefill's :class:`ReadyKv` by transfer id, in either order, with deadlines,
-  duplicates, cancel and the prefix-cache slice.
+  duplicates, cancel, the prefix-cache slice, and which decode may claim a
+  ready KV (early: the one named; late: the holder of the claim token).
 * ``work`` — :class:`WorkItem` and the ways to cut a match into items (whole;
   kept for streaming push: per chunk with :class:`ChunkCursor`, per layer);
   the last item notifies.
@@ -65,6 +66,7 @@ from kvpush.transfer.messages import (
     ProtocolError,
     Registration,
     TransferParams,
+    claim_digest,
     decode,
     encode,
 )
@@ -106,6 +108,7 @@ __all__ = [
     "Timeline",
     "TransferParams",
     "WorkItem",
+    "claim_digest",
     "compat_problem",
     "decode",
     "descriptors",

@@ -29,6 +29,20 @@ owns the transfer; a :class:`Dropped` hands them back to the caller to free
 means the matcher took nothing from this call: the caller still owns what
 it passed in.
 
+Who may claim a ready KV (the one place this rule is enforced): a ready KV
+bound *early* (its :class:`~kvpush.transfer.messages.PrefillLeg` named
+``decode_engine_id``) matches only a registration from that decode engine
+carrying no claim token; a ready KV bound *late* (the leg named no decode,
+only ``claim_sha256``) matches a registration from any decode engine whose
+``claim_token`` hashes (SHA-256, hex, compared with
+:func:`hmac.compare_digest`) to that digest. Anything else is a
+``mismatch``: the transfer is closed, and both halves go back to the caller
+(decode is told). A transfer is claimed once: the matcher remembers which
+engine matched it (its tombstone), and a later registration from that
+engine is a ``duplicate`` (the transfer goes on; do not tell decode), one
+from any other engine is ``claimed`` (that decode must be told: nothing
+will be written for it). The same holds while a registration is pending.
+
 Prefix cache: decode registers only blocks ``first_block`` onwards of the
 prompt's ``n = ceil(num_tokens / block_size)`` blocks. The match pairs
 ``ready.src_block_ids[first_block:n]`` with ``registration.dst_block_ids``
@@ -38,15 +52,18 @@ than ``n`` source blocks (extra trailing blocks are ignored) but not fewer.
 
 from __future__ import annotations
 
+import hmac
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
 from kvpush.transfer.deadlines import Deadlines
-from kvpush.transfer.messages import Registration
+from kvpush.transfer.messages import Registration, claim_digest
 
 Side = Literal["registration", "ready"]
-RejectCode = Literal["duplicate", "closed", "mismatch", "invalid", "capacity"]
+RejectCode = Literal[
+    "duplicate", "claimed", "closed", "mismatch", "invalid", "capacity"
+]
 _Tomb = Literal["matched", "closed"]
 
 
@@ -64,9 +81,15 @@ class ReadyKv:
     transfer_id: str
     src_block_ids: tuple[int, ...]
     num_tokens: int
-    decode_engine_id: str
+    decode_engine_id: str | None
     first_block: int = 0
     final: bool = True
+    claim_sha256: str | None = None
+
+    @property
+    def is_late(self) -> bool:
+        """Bound late: no decode named; claimed by a registration's token."""
+        return self.decode_engine_id is None
 
 
 @dataclass(frozen=True)
@@ -131,17 +154,20 @@ class Dropped:
 
     @property
     def notify_engine_id(self) -> str:
-        """The decode engine to send a :class:`Failure` to."""
+        """The decode engine to send a :class:`Failure` to (``""``: nobody,
+        a late-bound ready KV that no decode claimed)."""
         if self.registration is not None:
             return self.registration.decode_engine_id
-        return self.ready.decode_engine_id if self.ready else ""
+        return (self.ready.decode_engine_id or "") if self.ready else ""
 
 
 @dataclass(frozen=True)
 class Rejected:
     """The call changed nothing it was given. ``code`` ``"duplicate"`` means
-    the transfer goes on without this message (do not tell decode); any
-    other code means the transfer cannot complete, so tell decode with a
+    the transfer goes on without this message (do not tell decode);
+    ``"claimed"``: it goes on for another decode engine (tell this one, and
+    only this one: its registration will never be written); any other code
+    means the transfer cannot complete, so tell decode with a
     :class:`Failure`. ``dropped`` lists entries this rejection closed."""
 
     transfer_id: str
@@ -170,6 +196,7 @@ class Matcher:
         self._due: Deadlines[tuple[Side, str]] = Deadlines()
         self._reg_engines: Counter[str] = Counter()  # pending registrations
         self._tombs: dict[str, _Tomb] = {}
+        self._claimed_by: dict[str, str] = {}  # matched tid -> decode engine
         self._tombs_due: Deadlines[str] = Deadlines()
 
     def __len__(self) -> int:
@@ -195,7 +222,9 @@ class Matcher:
         its first chunk). Source ids must be distinct."""
         n = self._num_blocks(ready.num_tokens)
         problem = None
-        if ready.num_tokens < 1:
+        if (ready.decode_engine_id is None) == (ready.claim_sha256 is None):
+            problem = "a ready KV names exactly one of a decode and a claim digest"
+        elif ready.num_tokens < 1:
             problem = f"num_tokens must be >= 1, got {ready.num_tokens}"
         elif ready.first_block != 0:
             problem = f"a transfer opens at block 0, not {ready.first_block}"
@@ -233,6 +262,7 @@ class Matcher:
             self._tomb(tid, "closed", now)
         for tid in self._tombs_due.pop_due(now):
             del self._tombs[tid]
+            self._claimed_by.pop(tid, None)
         return out
 
     def next_deadline(self) -> float | None:
@@ -252,7 +282,8 @@ class Matcher:
         ]
 
     def ids_for_engine(self, engine_id: str) -> list[str]:
-        """Transfer ids pending here for decode ``engine_id`` (either side)."""
+        """Transfer ids pending here for decode ``engine_id`` (either side; a
+        late-bound ready KV is no decode's until it is claimed)."""
         regs = [
             t
             for t, h in self._registrations.items()
@@ -261,12 +292,21 @@ class Matcher:
         ready = [
             t
             for t, h in self._ready.items()
-            if h.ready and h.ready.decode_engine_id == engine_id
+            if h.ready and not h.ready.is_late and h.ready.decode_engine_id == engine_id
         ]
         return regs + ready
 
     def was_matched(self, transfer_id: str) -> bool:
         return self._tombs.get(transfer_id) == "matched"
+
+    def registered_by(self, transfer_id: str) -> str | None:
+        """The decode engine whose registration for ``transfer_id`` is
+        pending here, or matched it (remembered for the tombstone time);
+        None when no registration holds it."""
+        held = self._registrations.get(transfer_id)
+        if held is not None and held.registration is not None:
+            return held.registration.decode_engine_id
+        return self._claimed_by.get(transfer_id)
 
     def is_pending(self, transfer_id: str) -> bool:
         return transfer_id in self._registrations or transfer_id in self._ready
@@ -277,11 +317,16 @@ class Matcher:
         self, tid: str, side: Side, held: _Held, problem: str | None, now: float
     ) -> AddResult:
         if tid in self._tombs:
-            kind = self._tombs[tid]
-            if kind == "matched":
-                return Rejected(tid, "duplicate", f"transfer {tid} is already matched")
-            return Rejected(tid, "closed", f"transfer {tid} was already closed")
+            if self._tombs[tid] == "closed":
+                return Rejected(tid, "closed", f"transfer {tid} was already closed")
+            if self._is_other_engine(held, self._claimed_by.get(tid)):
+                why = f"transfer {tid} was already claimed by another decode"
+                return Rejected(tid, "claimed", why)
+            return Rejected(tid, "duplicate", f"transfer {tid} is already matched")
         if tid in self._side(side):
+            if self._is_other_engine(held, self.registered_by(tid)):
+                why = f"another decode's registration for {tid} is pending"
+                return Rejected(tid, "claimed", why)
             return Rejected(tid, "duplicate", f"{side} for {tid} is already pending")
         other: Side = "ready" if side == "registration" else "registration"
         if problem is not None:
@@ -313,6 +358,7 @@ class Matcher:
             return self._close(tid, other, "mismatch", mismatch, now)
         self._take(tid, other)
         self._tomb(tid, "matched", now)
+        self._claimed_by[tid] = reg.decode_engine_id
         n = self._num_blocks(ready.num_tokens)
         return Matched(
             transfer_id=tid,
@@ -333,12 +379,16 @@ class Matcher:
         self._tomb(tid, "closed", now)
         return Rejected(tid, code, reason, dropped)
 
+    @staticmethod
+    def _is_other_engine(held: _Held, engine: str | None) -> bool:
+        """``held`` is a registration from another engine than ``engine``."""
+        reg = held.registration
+        return reg is not None and engine is not None and reg.decode_engine_id != engine
+
     def _mismatch(self, reg: Registration, ready: ReadyKv) -> str | None:
-        if reg.decode_engine_id != ready.decode_engine_id:
-            return (
-                f"registration from {reg.decode_engine_id!r}, but the request "
-                f"names decode {ready.decode_engine_id!r}"
-            )
+        problem = _claim_problem(reg, ready)
+        if problem is not None:
+            return problem
         if reg.num_tokens != ready.num_tokens:
             return (
                 f"decode expects {reg.num_tokens} tokens, "
@@ -386,6 +436,27 @@ class Matcher:
     def _tomb(self, tid: str, kind: _Tomb, now: float) -> None:
         self._tombs[tid] = kind
         self._tombs_due.set(tid, now + self.config.tombstone_ttl_s)
+        if kind == "closed":
+            self._claimed_by.pop(tid, None)
+
+
+def _claim_problem(reg: Registration, ready: ReadyKv) -> str | None:
+    """Why ``reg`` may not claim ``ready`` (see the module's rule); the
+    token itself never goes into the reason."""
+    if not ready.is_late:
+        if reg.claim_token is not None:
+            return "a claim token for a transfer bound early to one decode"
+        if reg.decode_engine_id != ready.decode_engine_id:
+            return (
+                f"registration from {reg.decode_engine_id!r}, but the request "
+                f"names decode {ready.decode_engine_id!r}"
+            )
+        return None
+    if reg.claim_token is None:
+        return "a late-bound transfer needs the claim token; none came"
+    if not hmac.compare_digest(claim_digest(reg.claim_token), ready.claim_sha256 or ""):
+        return "the claim token does not match the request's claim digest"
+    return None
 
 
 def _expiry_reason(side: Side) -> str:

@@ -35,6 +35,7 @@ the edge, with :meth:`TransferParams.from_dict`.
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -42,7 +43,9 @@ import msgspec
 
 from kvpush.transfer.layout import KvLayout
 
-PROTOCOL_VERSION = 4  # 4: Reconcile; Done also on the side channel
+# 4: Reconcile; Done also on the side channel. 5: late binding (a
+# Registration may carry the claim token of a PrefillLeg that named no decode)
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
@@ -53,6 +56,19 @@ TransferId = Annotated[
     str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
 ]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# Late binding: the router draws a claim token per attempt
+# (``secrets.token_urlsafe(32)``) and gives it only to the decode it picks;
+# prefill's leg carries only its SHA-256, so prefill never holds the token.
+ClaimToken = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{32,128}$")]
+ClaimSha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+def claim_digest(token: str) -> str:
+    """The SHA-256 (lowercase hex) of a claim token: what a late-bound
+    :class:`PrefillLeg` carries as ``claim_sha256``."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 Text = Annotated[str, msgspec.Meta(max_length=1024)]
 BlockIds = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=0, lt=2**31)], ...],
@@ -147,7 +163,11 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     never when a deadline passes (see ``docs/architecture.md``, "The timing
     rule"). ``decode_boot_id`` is the boot id of the
     decode that owns the blocks: prefill writes only after a Hello with that
-    same boot id (the epoch fence against writing into a restarted decode)."""
+    same boot id (the epoch fence against writing into a restarted decode).
+    ``claim_token`` is the token of the decode's :class:`DecodeLeg`, set
+    only for a late-bound transfer: prefill writes a ready KV whose leg
+    named no decode only for the registration whose token hashes to the
+    leg's ``claim_sha256`` (see :mod:`kvpush.transfer.matcher`)."""
 
     transfer_id: TransferId
     decode_engine_id: Name
@@ -156,6 +176,7 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
     first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
+    claim_token: ClaimToken | None = None
 
     def __post_init__(self) -> None:
         if len(set(self.dst_block_ids)) != len(self.dst_block_ids):
@@ -314,14 +335,15 @@ def _decode_part(decoder: msgspec.msgpack.Decoder[Any], data: bytes, what: str) 
         raise ProtocolError(f"malformed {what}: {exc}") from None
 
 
-class TransferParams(msgspec.Struct, frozen=True, tag_field="role"):
+class TransferParams(msgspec.Struct, frozen=True, tag_field="role", omit_defaults=True):
     """The ``kv_transfer_params`` of one leg of a kvpush request, typed.
 
     Built by the router (``to_dict`` goes into the request body) and parsed
     by the connector's scheduler side with :meth:`from_dict`. The concrete
     type says the leg: :class:`PrefillLeg` or :class:`DecodeLeg`. Both carry
     the router-assigned ``transfer_id``, unique per request, which is the only
-    key registrations and finished KV are paired by."""
+    key registrations and finished KV are paired by. Fields left at their
+    default (``None``) are left out of :meth:`to_dict`."""
 
     transfer_id: TransferId
 
@@ -338,9 +360,12 @@ class TransferParams(msgspec.Struct, frozen=True, tag_field="role"):
         except msgspec.ValidationError as exc:
             raise ValueError(
                 f"invalid kvpush kv_transfer_params: {exc}. Expected role "
-                "'prefill' with transfer_id and decode_engine_id, or role "
-                "'decode' with transfer_id, prefill_engine_id, prefill_host "
-                "and prefill_port"
+                "'prefill' with transfer_id and exactly one of "
+                "decode_engine_id (early binding) or claim_sha256 (late "
+                "binding: 64 lowercase hex digits), or role 'decode' with "
+                "transfer_id, prefill_engine_id, prefill_host and "
+                "prefill_port (and claim_token, 32-128 URL-safe characters, "
+                "for late binding)"
             ) from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -350,17 +375,39 @@ class TransferParams(msgspec.Struct, frozen=True, tag_field="role"):
 
 
 class PrefillLeg(TransferParams, frozen=True, tag="prefill"):
-    """Prefill's leg: compute the prompt, then push it to ``decode_engine_id``
-    (a Registration from another engine for this transfer is rejected)."""
+    """Prefill's leg: compute the prompt, then push it to the decode that
+    registers for it. Exactly one of the two is set:
 
-    decode_engine_id: Name
+    * ``decode_engine_id`` (early binding): only that decode engine may
+      register (a Registration from another is rejected);
+    * ``claim_sha256`` (late binding: the router picks the decode once
+      prefill answered): any decode engine whose Registration carries the
+      claim token with this SHA-256 (hex) may, once."""
+
+    decode_engine_id: Name | None = None
+    claim_sha256: ClaimSha256 | None = None
+
+    def __post_init__(self) -> None:
+        if (self.decode_engine_id is None) == (self.claim_sha256 is None):
+            raise ValueError(
+                "a prefill leg names exactly one of decode_engine_id (early "
+                "binding) and claim_sha256 (late binding)"
+            )
+
+    @property
+    def is_late(self) -> bool:
+        """Late-bound: no decode named; claimed by a token."""
+        return self.claim_sha256 is not None
 
 
 class DecodeLeg(TransferParams, frozen=True, tag="decode"):
     """Decode's leg: allocate blocks and register them with the prefill
     engine ``prefill_engine_id`` whose side channel listens on
-    ``prefill_host:prefill_port``."""
+    ``prefill_host:prefill_port``. ``claim_token`` (late binding only)
+    goes into the Registration: it is what lets this decode claim a
+    prefill leg that named no decode."""
 
     prefill_engine_id: Name
     prefill_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
     prefill_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    claim_token: ClaimToken | None = None

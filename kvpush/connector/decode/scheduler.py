@@ -98,6 +98,7 @@ class DecodeScheduler:
             num_tokens=request.num_prompt_tokens,
             ttl_s=self.config.registration_ttl_s,
             first_block=first,
+            claim_token=leg.claim_token,  # late binding: what lets us claim it
         )
         self._meta.expects.append(
             RecvExpect(

@@ -49,13 +49,14 @@ class Endings:
         """Free what the matcher let go and, unless ``cause`` is None (the
         caller answers decode itself, or nobody is left to tell), tell decode.
         An expired ready KV tells decode too: its registration was lost, and
-        decode should not wait out its own deadline."""
+        decode should not wait out its own deadline. A late-bound ready KV
+        that no decode claimed has nobody to tell."""
         for d in dropped:
             if d.ready is not None:
                 self.release(d.transfer_id)
             if cause is Cause.EXPIRED:
                 self._counters.add(f"expired.{d.side}")
-            if cause is not None:
+            if cause is not None and d.notify_engine_id:
                 self.fail(d.transfer_id, d.notify_engine_id, cause, d.reason)
             else:
                 self._tell.closed(d.transfer_id)

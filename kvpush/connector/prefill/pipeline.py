@@ -247,8 +247,8 @@ class Pipeline:
             if not item.ready.final:
                 self._streams.orphan(tid, req_id)
             self._endings.drop_all(result.dropped, Cause.REJECTED)
-            if result.code in ("invalid", "mismatch", "capacity"):
-                engine = item.ready.decode_engine_id
+            engine = item.ready.decode_engine_id  # None: late, nobody named
+            if engine and result.code in ("invalid", "mismatch", "capacity"):
                 self._endings.fail(tid, engine, Cause.REJECTED, result.reason)
             return
         self._streams.open(Stream(req_id, item.ready, item.fence))
@@ -280,6 +280,9 @@ class Pipeline:
             logger.warning("kvpush: registration %s refused: %s", tid, result.reason)
             if result.code == "duplicate":
                 return  # the transfer carries on; its owner must not hear of it
+            if result.code == "claimed":  # it carries on for another decode
+                self._tell.refuse(tid, Cause.REJECTED, result.reason, route)
+                return
             self._endings.drop_all(result.dropped, Cause.REJECTED)
             self._endings.fail(tid, engine, Cause.REJECTED, result.reason, route)
             return
@@ -438,6 +441,11 @@ class Pipeline:
         tid = cancel.transfer_id
         self._counters.add("cancelled.by_decode")
         why = f"cancelled by decode: {cancel.reason}"
+        owner = self._matcher.registered_by(tid)
+        if owner is not None and owner != cancel.engine_id:
+            # another decode registered for it: this one has nothing to cancel
+            self._tell.refuse(tid, Cause.CANCELLED, why, route)
+            return
         stream = self._streams.matched(tid)
         if stream is not None:
             stream.answer_route = route

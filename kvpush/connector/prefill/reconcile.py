@@ -31,7 +31,7 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.prefill.stream import Streams
 from kvpush.connector.prefill.tell import Teller
 from kvpush.transfer.matcher import Matcher
-from kvpush.transfer.messages import Reconcile
+from kvpush.transfer.messages import Cause, Reconcile
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,13 @@ class Reconciler:
             len(reconcile.transfer_ids),
         )
         for tid in reconcile.transfer_ids:
+            owner = self._matcher.registered_by(tid)
+            if owner is not None and owner != reconcile.engine_id and self.holds(tid):
+                # another decode's: it is never written for this one
+                self._counters.add("reconciled.ended")
+                why = "another decode registered for this transfer"
+                self._tell.refuse(tid, Cause.REJECTED, why, route)
+                continue
             if self.holds(tid):
                 self._counters.add("reconciled.live")
                 self._tell.registered(tid, route)  # its final word goes here

@@ -149,6 +149,7 @@ class PrefillScheduler:
                 first_block=start,
                 final=final,
                 cached=cached,
+                claim_sha256=state.leg.claim_sha256,
             )
         )
 

@@ -51,7 +51,7 @@ class Stream:
     def __init__(self, req_id: str, first: ReadyKv, fence: ReadyFence) -> None:
         self.req_id = req_id
         self.transfer_id = first.transfer_id
-        self.engine = first.decode_engine_id
+        self.engine = first.decode_engine_id or ""  # late: known at the match
         self.num_tokens = first.num_tokens
         self.final = False  # the last chunk arrived
         self.matched: Matched | None = None
@@ -82,8 +82,10 @@ class Stream:
         return None
 
     def match(self, matched: Matched, block_size: int, num_layers: int) -> None:
-        """Decode's registration: its blocks from ``first_block`` on."""
+        """Decode's registration: its blocks from ``first_block`` on (a
+        late-bound stream learns its decode engine here)."""
         self.matched = matched
+        self.engine = matched.registration.decode_engine_id
         self._num_blocks = -(-self.num_tokens // block_size)
         self._sent = matched.registration.first_block
         self._num_layers = num_layers

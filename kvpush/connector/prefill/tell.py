@@ -110,6 +110,14 @@ class Teller:
             return
         self._reply(route, failure)
 
+    def refuse(self, tid: str, cause: Cause, detail: str, route: bytes) -> None:
+        """Tell the decode on ``route`` that ``tid`` will never be written
+        for it, while the transfer goes on for another decode (it was
+        claimed by that one): nothing of the transfer's own routes and
+        final words changes."""
+        logger.warning("kvpush: refused %s on another route: %s", tid, detail)
+        self._reply(route, Failure(tid, self._engine_id, cause, detail[:MAX_DETAIL]))
+
     def again(self, tid: str, decode_engine_id: str, route: bytes) -> None:
         """Say the final word on ``tid`` again, on ``route`` (a Reconcile's):
         the one remembered (a Done only to the decode it wrote to), else

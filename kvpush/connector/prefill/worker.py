@@ -135,6 +135,7 @@ class PrefillWorker:
                 decode_engine_id=t.decode_engine_id,
                 first_block=t.first_block,
                 final=t.final,
+                claim_sha256=t.claim_sha256,
             )
             self._triggered.add(t.req_id)
             self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[union-attr]

@@ -95,16 +95,17 @@ class Writer:
     def on_message(self, route: bytes, message: Message) -> None:
         """From the listener thread: a message from a decode."""
         if isinstance(message, Registration):
-            self._tracer.mark(message.transfer_id, "reg_received")
+            engine = message.decode_engine_id
+            self._tracer.mark(message.transfer_id, "reg_received", peer=engine)
         self._inbox.put((Kind.MESSAGE, (route, message)))
 
     def kv_ready(self, ready: ReadyKv, req_id: str, fence: ReadyFence) -> None:
         """From the worker's main thread, right after the forward that
         computed the prompt's last token (streamed: each chunk's, in prompt
         order; the last one is ``final`` and marks ``kv_ready``)."""
-        if ready.final:
-            engine = ready.decode_engine_id
-            self._tracer.mark(ready.transfer_id, "kv_ready", peer=engine)
+        if ready.final:  # a late-bound KV learns its peer at the match
+            peer = {} if ready.is_late else {"peer": ready.decode_engine_id}
+            self._tracer.mark(ready.transfer_id, "kv_ready", **peer)
         self._inbox.put((Kind.READY, Ready(ready, req_id, fence)))
 
     def cancel(self, transfer_id: str) -> None:
