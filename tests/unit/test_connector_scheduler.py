@@ -36,6 +36,7 @@ from kvpush.transfer.messages import (
     HelloRequest,
     PrefillLeg,
     Registration,
+    claim_digest,
 )
 from tests.fakes.fake_nixl import FakePeers, leftovers
 
@@ -566,3 +567,35 @@ def test_prefills_answers_on_the_schedulers_socket_go_to_the_worker(decode):
 
     assert meta.failures == [failure]
     assert meta.hello_requests == [(PREFILL_HOST, PREFILL_PORT)]
+
+
+# -- late binding: the claim travels from the legs to the wire ------------------
+
+LATE_TOKEN = "k" * 43  # what secrets.token_urlsafe(32) looks like
+
+
+def test_a_late_prefill_leg_triggers_with_its_claim_digest_and_no_decode(prefill):
+    leg = PrefillLeg(transfer_id="t2", claim_sha256=claim_digest(LATE_TOKEN))
+    req = FakeRequest("r2", leg.to_dict())
+    admit(prefill, req)
+
+    meta = run_step(prefill, req, PROMPT, new(req, [9, 3, 4, 8, 1]))
+
+    (trigger,) = meta.triggers
+    assert trigger.decode_engine_id is None
+    assert trigger.claim_sha256 == claim_digest(LATE_TOKEN)
+
+
+def test_decode_registers_with_the_claim_token_of_its_leg(decode):
+    sched, peers = decode
+    params = {**DECODE_PARAMS, "claim_token": LATE_TOKEN}
+    req = FakeRequest("r1", params)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+
+    (reg,) = peers.messages(Registration)
+    assert reg.claim_token == LATE_TOKEN
+    early = FakeRequest("r2", {**DECODE_PARAMS, "transfer_id": "t3"})
+    sched.get_num_new_matched_tokens(early, 0)
+    sched.update_state_after_alloc(early, FakeBlocks([1, 2, 3, 4, 10]), PROMPT)
+    assert peers.messages(Registration)[1].claim_token is None

@@ -14,6 +14,7 @@ never reported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -524,6 +525,18 @@ def test_prefill_hands_triggered_kv_to_the_writer_after_the_forward(prefill):
     assert writer.cancelled == ["t9"]
     worker.wait_for_save()  # a second call in the same step repeats nothing
     assert (len(writer.ready), writer.cancelled) == (1, ["t9"])
+
+
+def test_prefill_hands_a_late_bound_kv_to_the_writer_with_its_digest(prefill):
+    worker, writer = prefill
+    digest = "ab" * 32
+    late = dataclasses.replace(trigger(), decode_engine_id=None, claim_sha256=digest)
+    worker.bind(PrefillMetadata(triggers=[late]))
+    worker.wait_for_save()
+
+    ((ready, _, _),) = writer.ready
+    assert ready == ReadyKv("t1", (7, 8, 9), 40, None, claim_sha256=digest)
+    assert ready.is_late
 
 
 def test_prefill_releases_blocks_once_vllm_and_the_writer_are_both_done(prefill):
