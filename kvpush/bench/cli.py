@@ -17,10 +17,20 @@ from rich.console import Console
 
 from kvpush.bench.config import PRESETS, load_config_file, make_config, preset
 
+
+def _yes_no(text: str) -> bool:
+    if text.lower() in ("yes", "true", "1"):
+        return True
+    if text.lower() in ("no", "false", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r}: give yes or no")
+
+
 # (flag, field, type, help); type None means a string taken as is.
 _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--configs", "configs", None, "configurations to compare, comma-separated "
-     "(default colocated,vllm-pull,vllm-push,kvpush)"),
+     "(default colocated,vllm-pull,vllm-push,kvpush; kvpush-auto, kvpush-early, "
+     "kvpush-late, kvpush-skip: kvpush with that router --binding)"),
     ("--prefill", "num_prefill", int, "prefill instances of P/D configurations (1)"),
     ("--decode", "num_decode", int, "decode instances of P/D configurations (1)"),
     ("--model", "model", Path, "model directory (default: the tiny model)"),
@@ -57,6 +67,26 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
      "own rehearsal host (network namespace; needs root)"),
     ("--link-gbit", "link_gbit", None, "with --hosts netns: the hosts' shaped "
      "link rates in Gbit/s, e.g. 1,4,10; each rate a fresh set of clusters"),
+    ("--workload", "workload", None, "sweep (default); skewed: the sweep with one "
+     "decode kept busy by long plain requests; multi-turn: conversations"),
+    ("--background-concurrency", "background_concurrency", int,
+     "skewed: plain requests kept in flight on the busy decode (2)"),
+    ("--background-prompt-len", "background_prompt_len", int,
+     "skewed: their prompt tokens (64)"),
+    ("--background-output-len", "background_output_len", int,
+     "skewed: their output tokens, ignore_eos (512)"),
+    ("--background-decode", "background_decode", int,
+     "skewed: which decode is kept busy (0)"),
+    ("--num-conversations", "num_conversations", int, "multi-turn: conversations (4)"),
+    ("--num-turns", "num_turns", int, "multi-turn: turns per conversation (6)"),
+    ("--conversation-concurrency", "conversation_concurrency", int,
+     "multi-turn: conversations in flight at once (2)"),
+    ("--history-len", "history_len", int, "multi-turn: turn 1's prompt tokens (1200)"),
+    ("--turn-len", "turn_len", int,
+     "multi-turn: new user tokens per later turn (130, about 100 words)"),
+    ("--share-kvpush-cluster", "share_kvpush_cluster", _yes_no,
+     "yes|no: run the kvpush configurations on one cluster, a router each "
+     "(default: yes for skewed and multi-turn)"),
 )  # fmt: skip
 _NOT_IN_COMMAND = ("output_dir",)
 

@@ -8,7 +8,9 @@ deadline passing all end as a record whose ``error`` says which, and whose
 shape (``{"error": {"message": ...}}``). A chunk counts as a token when it
 carries a choice (its text may be empty: a byte-level token can end
 mid-character); the usage chunk does not. The choice's ``finish_reason``
-is kept.
+is kept, and so are the generated token ids when the request asked for them
+(``return_token_ids``), the router's ``x-kvpush-binding`` and
+``x-kvpush-decode`` headers, and a conversation's ``x-session-id`` is sent.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from kvpush.bench.bindings import BINDING_HEADER, DECODE_HEADER
 from kvpush.bench.records import (
     CONNECT,
     INCOMPLETE,
@@ -32,6 +35,7 @@ from kvpush.bench.workload import RequestSpec
 
 TRANSPORT = "transport"
 REQUEST_ID_HEADER = "X-Request-Id"
+SESSION_HEADER = "x-session-id"
 _MAX_DETAIL = 300
 
 
@@ -78,9 +82,13 @@ async def _exchange(
     start: float,
 ) -> None:
     headers = {REQUEST_ID_HEADER: spec.bench_id}
+    if spec.session is not None:
+        headers[SESSION_HEADER] = spec.session
     endpoint = url.rstrip("/") + "/v1/completions"
     async with session.post(endpoint, json=spec.body(), headers=headers) as resp:
         record.status = resp.status
+        record.binding = resp.headers.get(BINDING_HEADER)
+        record.decode = resp.headers.get(DECODE_HEADER)
         if resp.status != 200:
             text = await resp.text(errors="replace")
             _fail(record, f"http_{resp.status}", text)
@@ -112,6 +120,7 @@ async def _read_stream(
         if choices:
             record.token_times_s.append(now)
             _note_finish(record, choices)
+            _note_token_ids(record, choices)
         _note_usage(record, event.get("usage"))
     _fail(record, INCOMPLETE, "the stream ended without [DONE]")
 
@@ -142,6 +151,14 @@ def _note_finish(record: RequestRecord, choices: Any) -> None:
     reason = last.get("finish_reason") if isinstance(last, dict) else None
     if isinstance(reason, str) and reason:
         record.finish_reason = reason
+
+
+def _note_token_ids(record: RequestRecord, choices: Any) -> None:
+    """Keep the generated token ids a chunk carries (``return_token_ids``)."""
+    for choice in choices if isinstance(choices, list) else ():
+        ids = choice.get("token_ids") if isinstance(choice, dict) else None
+        if isinstance(ids, list):
+            record.output_token_ids += [i for i in ids if isinstance(i, int)]
 
 
 def _note_usage(record: RequestRecord, usage: Any) -> None:

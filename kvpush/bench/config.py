@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.lengths import LengthSpec
+from kvpush.router.binding import POLICIES, check_policy
 from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
 
@@ -21,6 +22,12 @@ ARRIVALS = ("poisson", "concurrency")
 HOSTS = ("local", "netns")  # as kvpush up --hosts
 MAX_LINK_GBIT = 100.0  # as kvpush up --link-gbit
 DEFAULT_CONFIGS = ("colocated", "vllm-pull", "vllm-push", "kvpush")
+# kvpush with its router's binding forced (kvpush-early) or decided (kvpush-auto)
+BINDING_CONFIGS = {f"kvpush-{policy}": policy for policy in POLICIES}
+CONFIG_NAMES = (*MODES, *BINDING_CONFIGS)
+# sweep: the load sweep; skewed: the same with one decode kept busy by long
+# plain requests; multi-turn: conversations whose turns extend each other
+WORKLOADS = ("sweep", "skewed", "multi-turn")
 
 # Presets are partial configs applied before the file and the flags.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -91,9 +98,21 @@ class BenchConfig:
     startup_timeout_s: float = 300.0
     hosts: str = "local"
     link_gbit: tuple[float, ...] = ()
+    workload: str = "sweep"
+    background_concurrency: int = 2
+    background_prompt_len: int = 64
+    background_output_len: int = 512
+    background_decode: int = 0
+    num_conversations: int = 4
+    num_turns: int = 6
+    conversation_concurrency: int = 2
+    history_len: int = 1200
+    turn_len: int = 130
+    share_kvpush_cluster: bool | None = None
 
     def __post_init__(self) -> None:
         self._check_configs()
+        self._check_workload()
         self._check_load()
         self._check_lengths()
         require(self.num_prefill >= 1, "num_prefill must be at least 1")
@@ -154,12 +173,89 @@ class BenchConfig:
         )
 
     def _check_configs(self) -> None:
-        require(bool(self.configs), f"configs must name one or more of {MODES}")
-        unknown = [c for c in self.configs if c not in MODES]
-        require(not unknown, f"unknown configs {unknown}; choose from {MODES}")
+        names = ", ".join(CONFIG_NAMES)
+        require(bool(self.configs), f"configs must name one or more of {names}")
+        unknown = [c for c in self.configs if c not in CONFIG_NAMES]
+        require(not unknown, f"unknown configs {unknown}; choose from {names}")
         require(
             len(set(self.configs)) == len(self.configs),
             f"configs lists a configuration twice: {list(self.configs)}",
+        )
+        for name in self.configs:
+            if name in BINDING_CONFIGS:
+                try:
+                    check_policy(BINDING_CONFIGS[name])
+                except ValueError as e:
+                    raise ValueError(f"configuration {name}: {e}") from e
+
+    def _check_workload(self) -> None:
+        require(
+            self.workload in WORKLOADS,
+            f"workload must be one of {', '.join(WORKLOADS)}, not {self.workload!r}",
+        )
+        if self.workload == "skewed":
+            self._check_background()
+        if self.workload == "multi-turn":
+            self._check_conversations()
+        if self.shares_kvpush_cluster:
+            self._check_router_ports()
+
+    @property
+    def shares_kvpush_cluster(self) -> bool:
+        """Whether the kvpush configurations share one cluster, each through
+        a router of its own (None: for the skewed and multi-turn workloads)."""
+        if self.share_kvpush_cluster is None:
+            return self.workload != "sweep"
+        return self.share_kvpush_cluster
+
+    def _check_router_ports(self) -> None:
+        """The shared cluster's extra routers listen on port+1, port+2, ..."""
+        routers = set(range(self.port + 1, self.port + len(self.configs)))
+        n = self.num_prefill + self.num_decode
+        for name in ("base_http_port", "base_side_channel_port"):
+            first = getattr(self, name)
+            require(
+                not routers & set(range(first, first + n)),
+                f"the extra routers' ports {self.port + 1}.. collide with "
+                f"{name}'s range; move --port or --{name.replace('_', '-')}",
+            )
+
+    def _check_background(self) -> None:
+        require(
+            self.num_decode >= 2,
+            "the skewed workload keeps one decode busy and needs another: "
+            "give --decode 2 or more",
+        )
+        require(
+            0 <= self.background_decode < self.num_decode,
+            f"background_decode must name a decode, 0..{self.num_decode - 1}",
+        )
+        for name in ("background_concurrency", "background_prompt_len"):
+            require(getattr(self, name) >= 1, f"{name} must be at least 1")
+        require(self.background_output_len >= 2, "background_output_len must be >= 2")
+        require(
+            self.background_prompt_len + self.background_output_len
+            <= self.max_model_len,
+            "background_prompt_len + background_output_len exceed max_model_len",
+        )
+
+    def _check_conversations(self) -> None:
+        for name in ("num_conversations", "conversation_concurrency", "history_len"):
+            require(getattr(self, name) >= 1, f"{name} must be at least 1")
+        require(self.num_turns >= 2, "num_turns must be at least 2 (turn 2+)")
+        require(self.turn_len >= 1, "turn_len must be at least 1")
+        require(
+            self.output_spec.max_value is not None,
+            "the multi-turn workload needs output_len N or A-B, not a trace",
+        )
+        longest_answer = self.output_spec.max_value or 0
+        turns = self.num_turns - 1
+        longest = self.history_len + turns * (longest_answer + self.turn_len)
+        require(
+            longest + longest_answer <= self.max_model_len,
+            f"the last turn's prompt ({longest} tokens) + output exceed "
+            f"max_model_len {self.max_model_len}; lower history_len, turn_len "
+            "or num_turns, or raise max_model_len",
         )
 
     def _check_load(self) -> None:
@@ -245,7 +341,7 @@ _TUPLES = {
     "prompt_len_sweep": int,
     "link_gbit": float,
 }
-_STRINGS = ("prompt_len", "output_len", "hosts")
+_STRINGS = ("prompt_len", "output_len", "hosts", "workload")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -297,6 +393,14 @@ def _item(kind: type, value: Any) -> Any:
     if kind is int and not number.is_integer():
         raise ValueError(f"{value!r} is not a whole number")
     return kind(number)
+
+
+def cluster_of(name: str) -> tuple[str, str | None]:
+    """A configuration's cluster mode and router binding (None: the
+    router's default)."""
+    if name in BINDING_CONFIGS:
+        return "kvpush", BINDING_CONFIGS[name]
+    return name, None
 
 
 def preset(name: str) -> dict[str, Any]:

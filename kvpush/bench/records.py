@@ -47,6 +47,10 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     end_s: float | None = None  # offset from send when the response ended
     prompt_tokens: int | None = None  # as the server counted them (usage)
     output_tokens: int | None = None
+    turn: int | None = None  # a conversation's turn (multi-turn workload)
+    binding: str | None = None  # kvpush router's x-kvpush-binding header
+    decode: str | None = None  # ... and x-kvpush-decode
+    output_token_ids: list[int] = msgspec.field(default_factory=list)  # if asked
 
     @property
     def is_ok(self) -> bool:

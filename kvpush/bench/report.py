@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpush.bench.report_net import hosts_line, rehearsal_sections
+from kvpush.bench.report_scenario import scenario_sections, workload_line
 from kvpush.bench.stats import Dist, PointStats, ratio
 from kvpush.bench.summary import BenchSummary, PointInfo, rate
 from kvpush.bench.timeline import HandoverStats
@@ -26,6 +27,7 @@ AXIS_NAMES = {
     "concurrency": "concurrency",
     "prompt_len": "prompt length",
     "link_gbit": "link rate (Gbit/s)",
+    "turn": "turn (1, 2+)",
 }
 
 
@@ -57,6 +59,7 @@ def render_report(
     """The whole report as markdown; images are linked under ``image_dir``."""
     parts = [f"# {title}", preamble, _run_line(summary), _headline(summary)]
     parts += [_setup(summary), _config_status(summary)]
+    parts += scenario_sections(summary, table)
     parts += rehearsal_sections(summary, table)
     for link in summary.link_rates:
         at_link = summary.at_link(link)
@@ -118,6 +121,9 @@ def _setup(summary: BenchSummary) -> str:
 
 
 def _workload_line(s: dict[str, object]) -> str:
+    scenario = workload_line(s)
+    if scenario is not None:
+        return scenario
     arrival = (
         "Poisson arrivals" if s.get("arrival") == "poisson" else "fixed concurrency"
     )

@@ -17,9 +17,11 @@ for vLLM's NIXL connectors, of their transfer histograms on ``/metrics``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from kvpush.bench import client, loadgen
+from kvpush.bench import background, client, conversation, loadgen, scenario
 from kvpush.bench.bandwidth import (
     TRANSFER_KIND,
     BandwidthStats,
@@ -47,7 +49,9 @@ from kvpush.bench.bandwidth import (
     parse_nixl_transfers,
     read_write_samples,
 )
-from kvpush.bench.config import BenchConfig
+from kvpush.bench.bindings import Counts, count_delta
+from kvpush.bench.clusters import Clusters, Run, share_runs
+from kvpush.bench.config import BenchConfig, cluster_of
 from kvpush.bench.inputs import (
     describe_model,
     load_traces,
@@ -81,24 +85,10 @@ from kvpush.bench.workload import (
     sweep_points,
 )
 from kvpush.bench.writes import DescriptorStats, read_write_sizes, summarize_writes
-from kvpush.launcher import ClusterConfig, down, up
+from kvpush.launcher import ClusterConfig
 from kvpush.launcher.netns import LinkBytes, NetnsError
 from kvpush.launcher.state import RunState
 from kvpush.model.kv_size import kv_bytes_per_token
-
-
-@dataclass(frozen=True)
-class Run:
-    """One cluster of the benchmark: a configuration at a link rate."""
-
-    name: str
-    link_gbit: float | None
-    cluster: ClusterConfig
-
-    @property
-    def run_dir(self) -> Path:
-        assert self.cluster.run_dir is not None  # the plan always sets one
-        return self.cluster.run_dir
 
 
 @dataclass(frozen=True)
@@ -112,6 +102,14 @@ class Plan:
     warmup: PointWorkload
     runs: tuple[Run, ...]
     kv_bytes_per_token: int | None = None  # rehearsals: for the link tables
+    requests: dict[str, scenario.Requests] | None = None  # per config, if salted
+    vocab: tuple[int, ...] = ()  # the background load draws from it
+
+    def requests_of(self, name: str) -> scenario.Requests:
+        """Configuration ``name``'s requests."""
+        if self.requests is None:
+            return scenario.Requests(self.points)
+        return self.requests[name]
 
 
 def default_output_dir() -> Path:
@@ -128,9 +126,22 @@ def prepare(config: BenchConfig, console: Console) -> Plan:
     model = resolve_model(config, console)
     vocab = normal_token_ids(model)
     traces = load_traces(config)
-    points = tuple(build_point(config, p, vocab, traces) for p in sweep_points(config))
-    warmup = build_warmup(config, points, vocab)
-    check_fits([*points, warmup], config.max_model_len)
+    if config.workload == "multi-turn":
+        points: tuple[PointWorkload, ...] = conversation.turn_points(config)
+        warmup = conversation.build_warmup(config, vocab)
+    else:
+        points = tuple(
+            build_point(config, p, vocab, traces) for p in sweep_points(config)
+        )
+        warmup = build_warmup(config, points, vocab)
+    salted = {
+        name: scenario.plan_requests(config, name, vocab, traces)
+        for name in config.configs
+    }
+    check_fits(
+        [*points, warmup, *(w for r in salted.values() for w in r.points)],
+        config.max_model_len,
+    )
     runs = tuple(
         Run(
             name,
@@ -140,11 +151,15 @@ def prepare(config: BenchConfig, console: Console) -> Plan:
         for rate in config.link_rates
         for name in config.configs
     )
+    if config.shares_kvpush_cluster:
+        runs = share_runs(runs, out_dir / "clusters" / "kvpush-shared")
     per_token = (
         kv_bytes_per_token(model, config.dtype) if config.hosts == "netns" else None
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    return Plan(config, model, out_dir, points, warmup, runs, per_token)
+    return Plan(
+        config, model, out_dir, points, warmup, runs, per_token, salted, tuple(vocab)
+    )
 
 
 def _run_dir(out_dir: Path, name: str, link_gbit: float | None) -> Path:
@@ -154,16 +169,18 @@ def _run_dir(out_dir: Path, name: str, link_gbit: float | None) -> Path:
 
 def cluster_config(
     config: BenchConfig,
-    mode: str,
+    name: str,
     model: Path,
     run_dir: Path,
     link_gbit: float | None = None,
 ) -> ClusterConfig:
-    """The cluster of configuration ``mode`` (at ``link_gbit`` on a
-    rehearsal)."""
+    """The cluster of configuration ``name`` (at ``link_gbit`` on a
+    rehearsal): its mode, and for ``kvpush-<binding>`` its router's binding."""
+    mode, binding = cluster_of(name)
     is_pd = mode != "colocated"
     return ClusterConfig(
         mode=mode,
+        binding=binding,
         num_prefill=config.num_prefill if is_pd else 0,
         num_decode=config.num_decode if is_pd else 0,
         model=model,
@@ -196,10 +213,14 @@ def run_bench(plan: Plan, console: Console, command: str) -> BenchSummary:
         },
         points=[point_info(w) for w in plan.points],
     )
-    for run in plan.runs:
-        summary.configs.append(run_config(plan, run, console))
-        summary.duration_s = time.monotonic() - started
-        save_summary(summary, plan.out_dir)
+    clusters = Clusters(plan.runs)
+    try:
+        for run in plan.runs:
+            summary.configs.append(run_config(plan, run, clusters, console))
+            summary.duration_s = time.monotonic() - started
+            save_summary(summary, plan.out_dir)
+    finally:
+        clusters.close()
     summary.finished_at = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     save_summary(summary, plan.out_dir)
     return summary
@@ -210,16 +231,18 @@ def point_info(workload: PointWorkload) -> PointInfo:
     return PointInfo(
         index=p.index, label=p.label, axis=p.axis, x=p.x, arrival=p.arrival,
         load=p.load, prompt_len=p.prompt_len.describe(),
-        num_requests=len(workload.requests),
+        num_requests=workload.num_requests,
     )  # fmt: skip
 
 
-def run_config(plan: Plan, run: Run, console: Console) -> ConfigResult:
+def run_config(
+    plan: Plan, run: Run, clusters: Clusters, console: Console
+) -> ConfigResult:
     """Start, warm up, measure and stop one configuration's cluster."""
     name, label = run.name, _label(run)
     console.rule(f"[bold]{label}")
     try:
-        state = up(run.cluster, console)
+        state = clusters.start(run, console)
     except ValueError as e:
         console.print(f"[bold yellow]skipping {label}:[/] {e}")
         return ConfigResult(
@@ -238,7 +261,9 @@ def run_config(plan: Plan, run: Run, console: Console) -> ConfigResult:
     finally:
         monitor.close()
         with console.status(f"stopping {label}"):
-            down(run.run_dir)
+            clusters.stop(run)
+    if run.is_shared:  # its traces mix every run on the cluster: left out
+        return _result(plan, run, state, measured, monitor, Traced(TimelineSet(), []))
     # Timelines are read once the cluster has stopped: a server may flush
     # them on the way out.
     traced = _traced(run, console)
@@ -293,6 +318,9 @@ class Meters:
     nixl: list[NixlTransfers | None]
 
 
+Checkpoint = Callable[[], Awaitable[None]]  # a resource mark and meter readings
+
+
 @dataclass(frozen=True)
 class Measured:
     """What one configuration's run produced, before any statistics."""
@@ -301,6 +329,8 @@ class Measured:
     records: list[list[RequestRecord]]  # per point
     marks: list[Mark]  # before the first point and after each
     meters: Meters
+    binding_counts: Counts | None = None  # the router's, over the whole run
+    background: background.Driven | None = None  # the skewed workload's
 
 
 def _failed(run: Run, error: BaseException) -> ConfigResult:
@@ -316,31 +346,101 @@ def _failed(run: Run, error: BaseException) -> ConfigResult:
 async def _measure(
     plan: Plan, run: Run, state: RunState, monitor: ResourceMonitor, console: Console
 ) -> Measured:
-    timeout = plan.config.request_timeout_s
     meters = Meters(links=[], nixl=[])
     async with client.make_session() as session:
         warmup = await _warm_up(plan, run, state, session, console)
-        marks: list[Mark] = [monitor.mark()]
-        await _read_meters(meters, state, session)
-        measured: list[list[RequestRecord]] = []
-        with _progress(console) as progress:
-            for workload in plan.points:
-                task = progress.add_task(
-                    f"{_label(run)} {workload.point.label}",
-                    total=len(workload.requests),
-                    errors=0,
+        marks: list[Mark] = []
+
+        async def checkpoint() -> None:
+            marks.append(monitor.mark())
+            await _read_meters(meters, state, session)
+
+        async with _background(plan, run, state, session) as driven:
+            before = await scenario.read_binding_counts(session, state.router_url)
+            await checkpoint()
+            with _progress(console) as progress:
+                measure = _converse if plan.config.workload == "multi-turn" else _sweep
+                measured = await measure(
+                    plan, run, state, session, progress, checkpoint
                 )
-                records = await loadgen.run_point(
-                    session, state.router_url, workload, run.name, timeout,
-                    _advance(progress, task),
-                )  # fmt: skip
-                marks.append(monitor.mark())
-                await _read_meters(meters, state, session)
-                for record in records:
-                    record.link_gbit = run.link_gbit
-                write_records(plan.out_dir / REQUESTS_FILE, records)
-                measured.append(records)
-    return Measured(warmup, measured, marks, meters)
+            after = await scenario.read_binding_counts(session, state.router_url)
+    for records in measured:
+        for record in records:
+            record.link_gbit = run.link_gbit
+        write_records(plan.out_dir / REQUESTS_FILE, records)
+    if driven is not None:
+        write_records(plan.out_dir / background.BACKGROUND_FILE, driven.records)
+    counts = None if before is None or after is None else count_delta(before, after)
+    return Measured(warmup, measured, marks, meters, counts, driven)
+
+
+async def _sweep(
+    plan: Plan,
+    run: Run,
+    state: RunState,
+    session: aiohttp.ClientSession,
+    progress: Progress,
+    checkpoint: Checkpoint,
+) -> list[list[RequestRecord]]:
+    """Every point in turn, a checkpoint after each."""
+    measured = []
+    for workload in plan.requests_of(run.name).points:
+        task = progress.add_task(
+            f"{_label(run)} {workload.point.label}",
+            total=len(workload.requests),
+            errors=0,
+        )
+        records = await loadgen.run_point(
+            session, state.router_url, workload, run.name,
+            plan.config.request_timeout_s, _advance(progress, task),
+        )  # fmt: skip
+        await checkpoint()
+        measured.append(records)
+    return measured
+
+
+async def _converse(
+    plan: Plan,
+    run: Run,
+    state: RunState,
+    session: aiohttp.ClientSession,
+    progress: Progress,
+    checkpoint: Checkpoint,
+) -> list[list[RequestRecord]]:
+    """Every conversation, then one checkpoint: its first turns and later
+    turns overlap in time and share one window."""
+    config, conversations = plan.config, plan.requests_of(run.name).conversations
+    task = progress.add_task(
+        f"{_label(run)} {len(conversations)} conversations",
+        total=sum(c.num_turns for c in conversations),
+        errors=0,
+    )
+    measured = await loadgen.run_conversations(
+        session, state.router_url, conversations, config.conversation_concurrency,
+        run.name, config.request_timeout_s, _advance(progress, task),
+    )  # fmt: skip
+    await checkpoint()
+    return measured
+
+
+@contextlib.asynccontextmanager
+async def _background(
+    plan: Plan, run: Run, state: RunState, session: aiohttp.ClientSession
+) -> AsyncIterator[background.Driven | None]:
+    """The skewed workload's background load around the block (None, and
+    nothing sent, for the other workloads)."""
+    if plan.config.workload != "skewed":
+        yield None
+        return
+    load = background.BackgroundLoad.of(
+        plan.config, scenario.salt_of(plan.config, run.name)
+    )
+    instance = background.target(load, state.processes)
+    async with background.running(
+        session, load, instance, plan.vocab, run.name, plan.config.request_timeout_s
+    ) as driven:
+        await asyncio.sleep(background.SETTLE_S)
+        yield driven
 
 
 async def _read_meters(
@@ -415,22 +515,23 @@ def _result(
     traced: Traced,
 ) -> ConfigResult:
     marks = measured.marks
-    points = [
-        PointResult(
+    points = []
+    for i, (workload, records) in enumerate(
+        zip(plan.points, measured.records, strict=True)
+    ):
+        w = min(i, len(marks) - 2)  # its window: marks[w] to marks[w + 1]
+        points.append(PointResult(
             point=workload.point.index,
             stats=summarize_point(records),
             handover=summarize_handover(
                 traced.timelines, [r.bench_id for r in records], wall_window(records)
             ),
-            usage=monitor.usage(marks[i], marks[i + 1]),
-            load=monitor.load(marks[i], marks[i + 1]),
-            links=_links(plan, state, measured.meters, i, records),
-            bandwidth=_bandwidth(run, state, measured.meters, i, records, traced),
-        )
-        for i, (workload, records) in enumerate(
-            zip(plan.points, measured.records, strict=True)
-        )
-    ]
+            usage=monitor.usage(marks[w], marks[w + 1]),
+            load=monitor.load(marks[w], marks[w + 1]),
+            links=_links(plan, state, measured.meters, w, records),
+            bandwidth=_bandwidth(run, state, measured.meters, w, records, traced),
+            bindings=scenario.point_bindings(records),
+        ))  # fmt: skip
     return ConfigResult(
         name=run.name,
         link_gbit=run.link_gbit,
@@ -441,6 +542,9 @@ def _result(
         warmup=measured.warmup,
         run_dir=str(run.run_dir),
         has_timelines=bool(traced.timelines),
+        binding_counts=measured.binding_counts,
+        background=scenario.background_result(measured.background),
+        shared_cluster=run.is_shared,
     )
 
 
@@ -451,7 +555,8 @@ def _links(
     i: int,
     records: list[RequestRecord],
 ) -> LinkUsage | None:
-    """Point ``i``'s link bytes (None off the rehearsal)."""
+    """The link bytes of the window from reading ``i`` (None off the
+    rehearsal)."""
     before, after = meters.links[i], meters.links[i + 1]
     if before is None or after is None or plan.kv_bytes_per_token is None:
         return None

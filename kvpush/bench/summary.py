@@ -12,8 +12,9 @@ from typing import Any, Literal
 import msgspec
 
 from kvpush.bench.bandwidth import BandwidthStats
+from kvpush.bench.bindings import BindingMix
 from kvpush.bench.links import LinkUsage
-from kvpush.bench.stats import PointStats
+from kvpush.bench.stats import Dist, PointStats
 from kvpush.bench.timeline import HandoverStats
 from kvpush.bench.writes import DescriptorStats
 
@@ -51,6 +52,17 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     load: WindowLoad | None = None
     links: LinkUsage | None = None  # --hosts netns: bytes over the links
     bandwidth: BandwidthStats | None = None  # per KV transfer
+    bindings: BindingMix | None = None  # by the router's response headers
+
+
+class BackgroundResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The skewed workload's background requests that ended during the
+    measured run, on instance ``target``."""
+
+    target: str
+    num_requests: int
+    num_ok: int
+    tpot_ms: Dist | None = None
 
 
 class WarmupResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +88,10 @@ class ConfigResult(msgspec.Struct, frozen=True, kw_only=True):
     run_dir: str | None = None
     has_timelines: bool = False
     descriptors: DescriptorStats | None = None  # kvpush: WRITE sizes
+    # kvpush_router_binding_total's gain over the measured run (binding/reason)
+    binding_counts: dict[str, int] | None = None
+    background: BackgroundResult | None = None  # the skewed workload's
+    shared_cluster: bool = False  # ran on a kvpush cluster others shared
 
     def point(self, index: int) -> PointResult | None:
         return next((p for p in self.points if p.point == index), None)

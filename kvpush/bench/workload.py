@@ -31,6 +31,9 @@ class RequestSpec:
     prompt: tuple[int, ...]
     output_len: int
     arrival_s: float = 0.0  # offset from the point's start (Poisson only)
+    session: str | None = None  # sent as x-session-id (conversations)
+    turn: int | None = None  # a conversation's turn, from 1
+    wants_token_ids: bool = False  # ask for the answer's token ids
 
     @property
     def prompt_len(self) -> int:
@@ -38,7 +41,7 @@ class RequestSpec:
 
     def body(self) -> dict[str, Any]:
         """The streaming /v1/completions body."""
-        return {
+        body: dict[str, Any] = {
             "prompt": list(self.prompt),
             "max_tokens": self.output_len,
             "ignore_eos": True,
@@ -46,6 +49,9 @@ class RequestSpec:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.wants_token_ids:
+            body["return_token_ids"] = True
+        return body
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class SweepPoint:
     """One load (or prompt length) at which every configuration is measured."""
 
     index: int
-    axis: str  # qps | concurrency | prompt_len
+    axis: str  # qps | concurrency | prompt_len | turn
     x: float  # the value on that axis
     arrival: str  # poisson | concurrency
     load: float  # requests/s (poisson) or requests in flight (concurrency)
@@ -63,6 +69,8 @@ class SweepPoint:
     def label(self) -> str:
         if self.axis == "prompt_len":
             return f"prompt {int(self.x)}"
+        if self.axis == "turn":
+            return "turn 1" if self.x == 1 else f"turns {int(self.x)}+"
         return f"qps {self.x:g}" if self.axis == "qps" else f"concurrency {self.x:g}"
 
     @property
@@ -72,8 +80,16 @@ class SweepPoint:
 
 @dataclass(frozen=True)
 class PointWorkload:
+    """A point's requests; or, where they are made as the run goes (a
+    conversation's later turns), only how many are planned."""
+
     point: SweepPoint
     requests: tuple[RequestSpec, ...] = field(default_factory=tuple)
+    num_planned: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests) or self.num_planned
 
 
 @dataclass(frozen=True)
@@ -119,9 +135,15 @@ def poisson_offsets(num: int, qps: float, rng: Random) -> list[float]:
 
 
 def build_point(
-    config: BenchConfig, point: SweepPoint, vocab: Sequence[int], traces: Traces
+    config: BenchConfig,
+    point: SweepPoint,
+    vocab: Sequence[int],
+    traces: Traces,
+    salt: str = "",
 ) -> PointWorkload:
-    """The requests of one sweep point."""
+    """The requests of one sweep point. A ``salt`` draws token ids of its
+    own (lengths and arrivals unchanged): for configurations that share
+    instances and must not hit each other's prefix cache."""
     num, seed, tag = config.num_requests, config.seed, point.index
     prompt_lens = point.prompt_len.sample(
         num, rng_for(seed, tag, "prompt_len"), traces.prompt_lens
@@ -133,7 +155,7 @@ def build_point(
         prompt_lens,
         vocab,
         config.shared_prefix_fraction,
-        rng_for(seed, tag, "tokens"),
+        rng_for(seed, tag, "tokens", salt) if salt else rng_for(seed, tag, "tokens"),
     )
     arrivals = (
         poisson_offsets(num, point.load, rng_for(seed, tag, "arrivals"))

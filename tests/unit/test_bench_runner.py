@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.bench import runner
+from kvpush.bench import clusters, runner
 from kvpush.bench.records import read_records
 from kvpush.bench.summary import load_summary
 from kvpush.cli import main
@@ -104,8 +104,8 @@ def write_timelines(run_dir: Path) -> None:
 @pytest.fixture
 def launcher(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeLauncher:
     fake = FakeLauncher()
-    monkeypatch.setattr(runner, "up", fake.up)
-    monkeypatch.setattr(runner, "down", fake.down)
+    monkeypatch.setattr(clusters, "up", fake.up)
+    monkeypatch.setattr(clusters, "down", fake.down)
     model = tmp_path / "model"
     monkeypatch.setattr(runner, "resolve_model", lambda config, console: model)
     monkeypatch.setattr(runner, "normal_token_ids", lambda path: list(range(3, 500)))
