@@ -1,5 +1,5 @@
 """The ``kvpush`` command: make-model, up, serve, down, status, router,
-drain, bench, bench-micro, soak."""
+drain, bench, bench-micro, project, soak."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvpush.bench.micro.cli import add_parser as add_bench_micro_parser
 from kvpush.launcher.cli import INSTANCE_KEYS, add_instance_options, add_serve_parser
 from kvpush.launcher.config import HOSTS
 from kvpush.model.presets import PRESETS
+from kvpush.project.cli import add_parser as add_project_parser
 from kvpush.topology import MODES
 
 
@@ -72,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_drain(sub)
     add_bench_parser(sub)
     add_bench_micro_parser(sub)
+    add_project_parser(sub)
     soak = sub.add_parser(
         "soak",
         help="sustained load with client aborts: nothing lost, nothing leaked",
