@@ -18,7 +18,8 @@ The model, per request, from the moment the prefill leg reaches prefill:
     first step.
   - kvpush: KV ready -> WRITE posted (measured); the post (prefill's
     writer thread); the wire; the notification (decode's progress
-    thread, measured); half a decode step; the first step.
+    thread, measured) or half a decode step, whichever is longer (the
+    thread reads it while the step runs); the first step.
 
 * **TPOT** = decode step + stall. The step is memory bound: weights plus
   every running request's KV read from HBM, over the TP ranks, plus a
