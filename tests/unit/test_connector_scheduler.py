@@ -526,14 +526,17 @@ def test_a_second_prefill_request_with_a_transfer_id_in_use_is_served_locally(
     assert prefill.request_finished(first) == (True, None), "the first goes on"
 
 
-def test_a_second_decode_request_with_a_transfer_id_in_use_is_served_locally(decode):
+def test_a_second_decode_request_with_a_transfer_id_in_use_waits_as_a_sibling(
+    decode,
+):
+    """vLLM's n > 1 children share one transfer id: the first registers, the
+    other waits (None) and never registers (test_connector_siblings.py)."""
     sched, peers = decode
     first, twin = FakeRequest("r1", DECODE_PARAMS), FakeRequest("r9", DECODE_PARAMS)
     sched.get_num_new_matched_tokens(first, 0)
     sched.update_state_after_alloc(first, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
 
-    assert sched.get_num_new_matched_tokens(twin, 0) == (0, False)
-    sched.update_state_after_alloc(twin, FakeBlocks([1, 2, 3, 4, 10]), 0)
+    assert sched.get_num_new_matched_tokens(twin, 0) == (None, False)
     assert sched.request_finished(twin) == (False, None)
 
     assert len(peers.messages(Registration)) == 1

@@ -10,6 +10,19 @@ Prefill's answers to registrations come back on this socket: Failures and
 requests for a Hello are forwarded to the worker in the next step's
 metadata (this process never touches the receives themselves).
 
+Siblings (``n > 1``): vLLM fans a request out into children with the same
+``kv_transfer_params``; one prefill pushes one transfer, and the children
+share it. The first child seen owns the transfer id and registers; a later
+one (a *sibling*, :meth:`~kvpush.connector.legs.Legs.first_of`) gets
+``None`` from ``get_num_new_matched_tokens`` while the first's receive is
+pending (vLLM skips it this step and asks again), and ``(0, False)`` once
+that receive ended, done or failed, or the first finished: vLLM's own
+prefix cache then serves what the first received (vLLM caches the blocks
+of an async load when it ends, before it looks at the waiting siblings),
+and the sibling computes the rest. The wait is bounded by the
+registration's ttl, after which the sibling computes the prompt itself. A
+sibling never registers, cancels, or holds blocks for kvpush.
+
 Abort: a request that vLLM finishes while its KV is on the way keeps its
 blocks (``request_finished`` returns True): the worker sends prefill a
 Cancel and reports the request once no WRITE can land any more (see
@@ -21,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
@@ -45,13 +60,17 @@ logger = logging.getLogger(__name__)
 class DecodeScheduler:
     """Owns decode's scheduler-side state; single-threaded."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(
+        self, config: ConnectorConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
+        self._clock = clock
         self.tracer = Tracer(config.trace_dir, config.engine_id)
         self.counters = Counters()
         self._peers = Peers(config.secret)
         self._send = outbound(self._peers, FaultSource(config.fault_file)).send
-        self._legs = Legs(self.counters)
+        self._legs = Legs(self.counters, share_ids=True)
+        self._sibling_until: dict[str, float] = {}  # waiting sibling -> deadline
         self._local_hits: dict[str, int] = {}  # req -> tokens in our prefix cache
         self._closed: set[str] = set()  # registered, or gave the transfer up
         self._receiving: dict[str, DecodeLeg] = {}  # registered, KV not in
@@ -61,19 +80,52 @@ class DecodeScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Every prompt token not in the local prefix cache will be pushed
-        (asynchronously). A full local hit cancels the transfer."""
+        (asynchronously). A full local hit cancels the transfer. A sibling
+        waits (None) while its first's receive is pending."""
         leg = self._legs.of(request)
         rid = request.request_id
         if not isinstance(leg, DecodeLeg) or rid in self._closed:
             return 0, False
+        first = self._legs.first_of(rid)
+        if first is not None:
+            return self._sibling(rid, first, leg), False
         num_external = request.num_prompt_tokens - num_computed_tokens
         if num_external <= 0:
             self._give_up(rid, leg, "decode holds the whole prompt")
             return 0, False
         self._local_hits[rid] = num_computed_tokens
         return num_external, True
+
+    def _sibling(self, rid: str, first: str, leg: DecodeLeg) -> int | None:
+        """None while ``first``'s receive is pending (within the wait's
+        deadline), else 0: the sibling goes on without kvpush."""
+        now = self._clock()
+        if self._is_receiving(first):
+            if rid not in self._sibling_until:
+                self.counters.add("sibling.wait")
+                logger.debug(
+                    "request %s waits for %s's receive of transfer %s",
+                    rid, first, leg.transfer_id,
+                )  # fmt: skip
+                self._sibling_until[rid] = now + self.config.registration_ttl_s
+            if now < self._sibling_until[rid]:
+                return None
+            self.counters.add("sibling.expired")
+            logger.debug("request %s stops waiting for %s", rid, first)
+        else:
+            self.counters.add("sibling.after_first")
+        self._sibling_until.pop(rid, None)
+        self._closed.add(rid)  # kvpush is done with it: vLLM's from here
+        return 0
+
+    def _is_receiving(self, rid: str) -> bool:
+        """``rid`` registered and its receive has not ended, or it is live
+        and has not yet registered (nor given up)."""
+        if rid in self._receiving:
+            return True
+        return self._legs.is_live(rid) and rid not in self._closed
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
@@ -146,9 +198,14 @@ class DecodeScheduler:
         """Keep a request's blocks while a WRITE into them may still land."""
         rid = request.request_id
         leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
+        is_sibling = self._legs.first_of(rid) is not None
         self._legs.forget(rid)
         self._local_hits.pop(rid, None)
         self._awaiting_first_step.pop(rid, None)
+        self._sibling_until.pop(rid, None)
+        if is_sibling:  # the transfer is its first's: nothing to give up
+            self._closed.discard(rid)
+            return False, None
         if isinstance(leg, DecodeLeg) and rid not in self._closed:
             self.counters.add("aborted.before_registration")
             self._give_up(rid, leg, "request finished before registering")
