@@ -79,15 +79,18 @@ def background_requests(
 
 def target(load: BackgroundLoad, processes: Sequence[ProcessRecord]) -> ProcessRecord:
     """The instance the load goes to: decode ``load.decode`` of a P/D
-    cluster (decodes in name order), else the colocated instance."""
+    cluster (decodes in name order), else the colocated instance
+    (RuntimeError: the run fails, where the cluster has neither)."""
     decodes = sorted((p for p in processes if p.role == "decode"), key=lambda p: p.name)
     if decodes:
         if load.decode >= len(decodes):
-            raise ValueError(f"no decode{load.decode}: the cluster has {len(decodes)}")
+            raise RuntimeError(
+                f"no decode{load.decode}: the cluster has {len(decodes)}"
+            )
         return decodes[load.decode]
     colocated = [p for p in processes if p.role == "colocated"]
     if not colocated:
-        raise ValueError("the cluster has no decode and no colocated instance")
+        raise RuntimeError("the cluster has no decode and no colocated instance")
     return colocated[0]
 
 

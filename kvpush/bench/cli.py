@@ -201,8 +201,12 @@ def _run(args: argparse.Namespace, console: Console) -> tuple[Path, Any]:
 
     config = config_from_args(args)
     plan = prepare(config, console)
+    each = (
+        f"{config.num_conversations} conversations x {config.num_turns} turns"
+        if config.workload == "multi-turn"
+        else f"{len(plan.points)} points x {config.num_requests} requests each"
+    )
     console.print(
-        f"benchmarking {', '.join(config.configs)}: {len(plan.points)} points x "
-        f"{config.num_requests} requests each; results in {plan.out_dir}"
+        f"benchmarking {', '.join(config.configs)}: {each}; results in {plan.out_dir}"
     )
     return plan.out_dir, run_bench(plan, console, command_line(args))

@@ -177,3 +177,30 @@ def test_a_results_directory_is_never_reused(
     (out / "summary.json").write_text("{}")
     assert main(["bench", "--quick", "--output", str(out)]) == 2
     assert launcher.started == []
+
+
+def test_a_multi_turn_run_records_every_turn_in_its_point(
+    launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    argv = [
+        "bench", "--workload", "multi-turn", "--configs", "colocated",
+        "--num-conversations", "2", "--num-turns", "3", "--history-len", "64",
+        "--turn-len", "8", "--output-len", "4", "--num-warmup", "1",
+        "--output", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = load_summary(out)
+    assert [p.label for p in summary.points] == ["turn 1", "turns 2+"]
+    assert [p.num_requests for p in summary.points] == [2, 4]
+    first, later = (summary.stats("colocated", i) for i in (0, 1))
+    assert first is not None and first.num_ok == 2
+    assert later is not None and later.num_ok == 4
+    records = read_records(out / "requests.jsonl")
+    turns = sorted((r.bench_id, r.point, r.prompt_len) for r in records)
+    # The fake returns no token ids: each turn adds only its 8 new tokens.
+    assert turns == [
+        ("kvb-c0-t1", 0, 64), ("kvb-c0-t2", 1, 72), ("kvb-c0-t3", 1, 80),
+        ("kvb-c1-t1", 0, 64), ("kvb-c1-t2", 1, 72), ("kvb-c1-t3", 1, 80),
+    ]  # fmt: skip
+    assert "multi-turn: 2 conversations of 3 turns" in (out / "report.md").read_text()
