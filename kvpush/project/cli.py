@@ -40,12 +40,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--model",
         default="qwen3-32b",
+        metavar="NAME|PATH",
         help=f"built-in ({', '.join(BUILTIN_CONFIGS)}) or a path to a Hugging "
         "Face config.json or its directory (default qwen3-32b)",
     )
     p.add_argument(
         "--prompt-tokens",
         default="2048",
+        metavar="N[,N...]",
         help="prompt lengths, comma-separated (default 2048, assumed: vLLM PR "
         "45211's Qwen3-32B runs; the published push result swept lengths)",
     )
@@ -54,6 +56,7 @@ def add_parser(sub: Any) -> None:
             param.option,
             type=int if param.name in INT_PARAMS else float,
             default=param.default,
+            metavar="N" if param.name in INT_PARAMS else "X",
             help=f"{param.basis} [{param.source}; {param.unit}; "
             f"default {param.default:g}]",
         )
