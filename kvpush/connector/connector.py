@@ -26,6 +26,7 @@ follows one request through every message.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.config import (
+    PER_LAYER_GRANULARITIES,
+    ConnectorConfig,
+    granularity_of,
+)
 from kvpush.connector.decode.scheduler import DecodeScheduler
 from kvpush.connector.decode.worker import DecodeWorker
 from kvpush.connector.metadata import DecodeMetadata, PrefillMetadata
@@ -46,6 +51,8 @@ from kvpush.connector.support import REQUIRED_KV_CACHE_LAYOUT, check_supported
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
+
+logger = logging.getLogger(__name__)
 
 Scheduler = PrefillScheduler | DecodeScheduler
 Worker = PrefillWorker | DecodeWorker
@@ -61,6 +68,7 @@ class KvPushConnector(KVConnectorBase_V1):
         self._sched: Scheduler | None = None
         self._worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _log_cudagraph_needs(config)
             self._sched = (
                 PrefillScheduler(config)
                 if config.role == "prefill"
@@ -70,6 +78,16 @@ class KvPushConnector(KVConnectorBase_V1):
             self._worker = PrefillWorker(config)
         else:
             self._worker = DecodeWorker(config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True for ``push_granularity`` ``layer`` or ``auto``: prefill then
+        pushes from ``save_kv_layer``, Python that a captured CUDA graph
+        would skip, so vLLM must run FULL CUDA graphs as PIECEWISE (attention,
+        and with it the per-layer hook, outside the graphs). A step that did
+        replay a full graph would still push correctly, per chunk, from
+        ``wait_for_save``; only the overlap would be lost."""
+        return granularity_of(extra_config) in PER_LAYER_GRANULARITIES
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -142,7 +160,12 @@ class KvPushConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Whole-request push happens at :meth:`wait_for_save`."""
+        """Right after each layer's attention (vLLM's forward path): the
+        chunks pushed per layer may send that layer (prefill); a push per
+        chunk or request waits for :meth:`wait_for_save`."""
+        worker = self._worker
+        if isinstance(worker, PrefillWorker):
+            worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         worker = self._w
@@ -205,4 +228,18 @@ class KvPushConnector(KVConnectorBase_V1):
         """The ``vllm:kvpush_*`` families, made in vLLM's API server."""
         return KvPushPromMetrics(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+
+def _log_cudagraph_needs(config: ConnectorConfig) -> None:
+    """Say once per instance (its scheduler's connector) what per-layer
+    push asks of vLLM's CUDA graphs."""
+    if config.may_push_per_layer:
+        logger.info(
+            "kvpush: push_granularity %r may push per layer, from save_kv_layer "
+            "after each layer's attention; that hook cannot run inside a captured "
+            "CUDA graph, so requires_piecewise_for_cudagraph is True and vLLM runs "
+            "FULL CUDA graphs as PIECEWISE on this instance (no effect without "
+            "CUDA graphs, e.g. on CPU or with --enforce-eager)",
+            config.push_granularity,
         )

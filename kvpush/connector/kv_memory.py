@@ -91,6 +91,22 @@ def layout_of(
     )
 
 
+def layer_indices(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each layer name's layer in :func:`layout_of`'s map (vLLM's order; a
+    name that aliases an earlier layer's cache maps to that layer): what
+    ``save_kv_layer``'s layer name is turned into."""
+    first_of: dict[tuple[object, ...], int] = {}
+    indices = {}
+    for name, tensor in kv_caches.items():
+        key = _key(tensor)
+        indices[name] = first_of.setdefault(key, len(first_of))
+    return indices
+
+
+def _key(tensor: torch.Tensor) -> tuple[object, ...]:
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
 def _distinct(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """The layers in vLLM's order, less those that alias an earlier layer's
     whole cache (vLLM's cross-layer KV sharing hands one tensor to several
@@ -98,7 +114,7 @@ def _distinct(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tenso
     seen: set[tuple[object, ...]] = set()
     layers = []
     for name, tensor in kv_caches.items():
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        key = _key(tensor)
         if key not in seen:
             seen.add(key)
             layers.append((name, tensor))

@@ -77,7 +77,8 @@ def add_instance_options(p: argparse.ArgumentParser) -> None:
         "--push-granularity",
         choices=PUSH_GRANULARITIES,
         help="kvpush: push each prompt whole (request, default), per prefill "
-        "chunk (chunk), or auto (= chunk for now); layer: not yet supported",
+        "chunk (chunk), per chunk and layer (layer), or auto (per layer where "
+        "a chunk's KV per layer reaches layer_push_min_bytes, else per chunk)",
     )
     p.add_argument(
         "--ucx-net-devices",

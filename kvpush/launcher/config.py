@@ -52,7 +52,7 @@ class ClusterConfig:
     ``host``); ``side_channel_host`` what the side channels bind (default
     ``host``) and ``side_channel_advertise_host`` what decode connects to.
     ``push_granularity`` (kvpush mode) is prefill's push unit: ``request``,
-    ``chunk`` or ``auto`` (see :mod:`kvpush.connector.config`).
+    ``chunk``, ``layer`` or ``auto`` (see :mod:`kvpush.connector.config`).
     ``nixl_backend`` is NIXL's transport (UCX or LIBFABRIC) and
     ``ucx_net_devices`` the NIC(s) UCX may use (``UCX_NET_DEVICES``), both
     for kvpush and the baselines. A kvpush side channel off loopback needs

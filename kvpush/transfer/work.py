@@ -1,17 +1,14 @@
 """Work items: the unit prefill's background writer turns into one NIXL WRITE.
 
 A :class:`WorkItem` says "copy these source blocks to these destination
-blocks, for these layers". The writer takes any item, coalesces its blocks
-(:mod:`kvpush.transfer.coalesce`) and posts one WRITE; it does not care how
-the transfer was cut. The cutting happens here, on the thread that owns the
-match. Today the writer pushes whole requests (:func:`split_whole` after a
-:class:`Matched`: one item). Kept for streaming push (per chunk and per
-layer, the next step), unused by production code until then:
-
-* per prompt chunk: a :class:`ChunkCursor` fed after every prefill step
-  emits items for the blocks that became complete;
-* per layer: :func:`split_layers` cuts any item into layer groups, released
-  as each layer's KV is saved. Chunks and layers compose.
+blocks, for these layers". The writer coalesces an item's blocks
+(:mod:`kvpush.transfer.coalesce`) and posts it in one WRITE, alone or with
+the other items due for that transfer at that moment (pushed per layer,
+one item per group of layers, see
+:mod:`kvpush.connector.prefill.stream`); it does not care how the transfer
+was cut. :func:`split_whole`, :func:`split_layers` and :class:`ChunkCursor`
+cut a matched transfer by hand (tests and benchmarks; the writer's
+``Stream`` does its own cutting).
 
 Exactly one item per transfer has ``notify=True``: the last one. The writer
 must post it only after every earlier item of that transfer has completed,

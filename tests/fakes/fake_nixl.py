@@ -10,6 +10,8 @@ scripted:
   writes, e.g. ``("PROC", "PROC", "DONE")`` or ``("ERR",)``; the default
   is ``("DONE",)``;
 * :meth:`FakeNixlIO.fail_next_write` — the next ``write`` raises;
+* ``WriteRecord.running_at_post`` — how many earlier WRITEs still ran when
+  one was posted (0 for a Done that waited for every earlier one);
 * ``cancellable = False`` — a running WRITE cannot be cancelled;
   ``release_failures = n`` — the next ``n`` releases fail;
   :meth:`FakeNixlIO.raise_next` — the next ``state`` or ``release`` raises;
@@ -67,6 +69,7 @@ class WriteRecord:
     last: str = ""  # the state last returned
     released: bool = False
     cancelled: bool = False
+    running_at_post: int = 0  # this agent's WRITEs not yet DONE/ERR when posted
 
     @property
     def message(self) -> Message:
@@ -145,6 +148,9 @@ class FakeNixlIO:
                 raise self._write_errors.popleft()
             record = WriteRecord(
                 desc_list(src), desc_list(dst), peer, notif, deque(self._poll_script)
+            )
+            record.running_at_post = sum(
+                w.last not in ("DONE", "ERR") and not w.released for w in self.writes
             )
             self.writes.append(record)
             return record

@@ -67,10 +67,14 @@ def test_overdue_transfers_say_what_held_them() -> None:
 
 def test_next_due_and_the_engines_waiting() -> None:
     posting = Posting()
-    assert posting.next_due() is None
+    assert posting.next_due(0.0) is None
     posting.add(matched("a", deadline=9.0), not_before=4.0)
     posting.add(matched("b", deadline=7.0), not_before=5.0)
-    assert posting.next_due() == 4.0
+    assert posting.next_due(0.0) == 4.0
+    # a delay already over wakes nobody (waiting for an event, the writer
+    # sleeps): only what is still ahead counts
+    assert posting.next_due(4.5) == 5.0
+    assert posting.next_due(6.0) == 7.0
     assert posting.engines() == {"d0"}
     assert [tp.transfer_id for tp in posting.of_engine("d0", "boot-1")] == []
     assert len(posting.of_engine("d0", None)) == 2

@@ -468,14 +468,26 @@ class RecordingWriter:
     """Stands in for :class:`~kvpush.connector.prefill.writer.Writer`."""
 
     ready: list[tuple[ReadyKv, str, object]] = field(default_factory=list)
+    layers: list[tuple[object, int, object]] = field(default_factory=list)
+    computed: list[ReadyKv] = field(default_factory=list)  # marked kv_ready
     cancelled: list[str] = field(default_factory=list)
     preempted: list[set[str]] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)
     preempt_ok: bool = True
     write_timeout_s: float = 1.0
 
-    def kv_ready(self, ready: ReadyKv, req_id: str, fence: object) -> None:
+    def kv_ready(
+        self, ready: ReadyKv, req_id: str, fence: object, mark_ready: bool = True
+    ) -> None:
         self.ready.append((ready, req_id, fence))
+        if mark_ready:
+            self.kv_computed([ready])
+
+    def kv_computed(self, chunks: list[ReadyKv]) -> None:
+        self.computed.extend(chunks)
+
+    def layer_saved(self, fences: object, layer: int, fence: object) -> None:
+        self.layers.append((fences, layer, fence))
 
     def cancel(self, transfer_id: str) -> None:
         self.cancelled.append(transfer_id)

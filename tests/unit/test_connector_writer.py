@@ -54,9 +54,11 @@ DECODE_ROUTE = b"route-d0"
 BOOT = "boot-1"
 
 
-def layout(base: int, block_bytes: int = BLOCK_BYTES) -> KvLayout:
+def layout(
+    base: int, block_bytes: int = BLOCK_BYTES, num_layers: int = NUM_LAYERS
+) -> KvLayout:
     return KvLayout.contiguous_layers(
-        base, NUM_LAYERS, NUM_BLOCKS, block_bytes, BS, kv_dtype="float32"
+        base, num_layers, NUM_BLOCKS, block_bytes, BS, kv_dtype="float32"
     )
 
 
@@ -85,9 +87,12 @@ class Rig:
         ready_ttl_s: float = 30.0,
         peer_timeout_s: float = 10.0,
         fault_file: str = "",
+        num_layers: int = NUM_LAYERS,
     ) -> None:
-        self.io = FakeNixlIO("kvpush-p0", layout(SRC_BASE))
-        self.decode_io = FakeNixlIO("kvpush-d0", layout(DST_BASE))
+        self.io = FakeNixlIO("kvpush-p0", layout(SRC_BASE, num_layers=num_layers))
+        self.decode_io = FakeNixlIO(
+            "kvpush-d0", layout(DST_BASE, num_layers=num_layers)
+        )
         self.io.link(self.decode_io)
         self.replies = Replies()
         self.tracer = Tracer(tmp_trace_dir, PREFILL)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.cli import _parser, up_config
+from kvpush.connector.connector import KvPushConnector
 from kvpush.launcher import process
 from kvpush.launcher.config import ClusterConfig, load_config_file, make_config
 from kvpush.launcher.instances import kv_transfer_config, plan_instances
@@ -123,14 +124,34 @@ def test_stop_group_ends_the_process_and_its_children(tmp_path: Path) -> None:
     assert process.group_members(pid) == []
 
 
-def test_push_granularity_reaches_the_connector(tmp_path: Path) -> None:
-    config = ClusterConfig(mode="kvpush", push_granularity="chunk")
-    prefill, _ = plan_instances(config, tmp_path)
+@pytest.mark.parametrize("granularity", ["chunk", "layer", "auto"])
+def test_push_granularity_reaches_the_connector(
+    tmp_path: Path, granularity: str
+) -> None:
+    config = ClusterConfig(mode="kvpush", push_granularity=granularity)
+    prefill, decode = plan_instances(config, tmp_path)
     kv = kv_transfer_config(config, prefill)
     assert kv is not None
-    assert kv["kv_connector_extra_config"]["push_granularity"] == "chunk"
-    with pytest.raises(ValueError, match="not yet supported"):
-        ClusterConfig(mode="kvpush", push_granularity="layer")
+    assert kv["kv_connector_extra_config"]["push_granularity"] == granularity
+    # decode pushes nothing: no per-layer push named, so vLLM keeps its
+    # CUDA graphs FULL there
+    decode_kv = kv_transfer_config(config, decode)
+    assert decode_kv is not None
+    assert not KvPushConnector.requires_piecewise_for_cudagraph(
+        decode_kv["kv_connector_extra_config"]
+    )
+    with pytest.raises(ValueError, match="one of"):
+        ClusterConfig(mode="kvpush", push_granularity="layers")
+
+
+@pytest.mark.parametrize("name", ["auto", "request", "chunk", "layer"])
+def test_up_and_serve_accept_every_push_granularity(name: str) -> None:
+    from kvpush.launcher.cli import serve_config
+
+    up = _parser().parse_args(["up", "--mode", "kvpush", "--push-granularity", name])
+    assert up_config(up).push_granularity == name
+    serve = ["serve", "--role", "prefill", "--push-granularity", name]
+    assert serve_config(_parser().parse_args(serve)).push_granularity == name
 
 
 def test_up_passes_the_binding_to_its_router(tmp_path: Path) -> None:

@@ -13,11 +13,12 @@ transfer is in exactly one phase here:
    the post;
 3. *in flight*: a WRITE posted (:class:`~kvpush.connector.prefill.writes.Writes`).
 
-A transfer is a :class:`~kvpush.connector.prefill.stream.Stream` of work
-items from its first chunk of KV on (one item for a whole push): after
-the match it goes back to *to post* whenever an item is due (a chunk
-arrived, or the items before its Done item ended), so one transfer may
-be to post and in flight at once. A transfer that must end (cancelled,
+A transfer is a :class:`~kvpush.connector.prefill.stream.Stream` of
+WRITEs from its first chunk of KV on (one for a whole push): after the
+match it goes back to *to post* whenever something is due (a chunk
+arrived, a layer of a chunk pushed per layer was written, something was
+posted and more is known, or the WRITEs before its Done piece ended), so
+one transfer may be to post and in flight at once. A transfer that must end (cancelled,
 preempted, expired, a WRITE failed, decode lost) posts nothing more and
 ends when its last item in flight ended (:meth:`Pipeline._end`).
 
@@ -44,7 +45,7 @@ from kvpush.connector.faults import FaultSource
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.decode_peers import DecodePeers
 from kvpush.connector.prefill.endings import Endings
-from kvpush.connector.prefill.fence import ReadyFence
+from kvpush.connector.prefill.fence import LayerFences, ReadyFence
 from kvpush.connector.prefill.posting import Posting, ToPost
 from kvpush.connector.prefill.preempt_waits import PreemptWaits
 from kvpush.connector.prefill.reconcile import Reconciler
@@ -192,6 +193,14 @@ class Pipeline:
             self._stop(tid, Cause.PREEMPTED, "prefill's request was preempted", now)
         self._preempt_waits.add(waiting, done)
 
+    def on_layer_saved(
+        self, fences: LayerFences, layer: int, fence: ReadyFence
+    ) -> None:
+        """One layer of a forward pushed per layer wrote its KV (once
+        ``fence`` says so); the streams waiting on it are in *to post*
+        already, and this tick's sweep posts what became ready."""
+        fences.saved(layer, fence)
+
     def pardon(self, now: float, gap_s: float) -> None:
         logger.warning("kvpush writer: this process stalled for %.1f s", gap_s)
         self._peers.pardon(now)
@@ -205,11 +214,11 @@ class Pipeline:
 
     def wait_s(self, now: float) -> float:
         """How long the writer may sleep before the next due work."""
-        if any(not self._postable(tid) for tid in self._to_post):
+        if any(self._waits_on_device(tid) for tid in self._to_post):
             return POLL_S
         due = [self._matcher.next_deadline(), self._writes.next_due(now)]
         due += [self._later[0][0]] if self._later else []
-        due.append(self._to_post.next_due())
+        due.append(self._to_post.next_due(now))
         soonest = min((d for d in due if d is not None), default=now + IDLE_WAIT_S)
         return min(IDLE_WAIT_S, max(0.0, soonest - now))
 
@@ -309,9 +318,19 @@ class Pipeline:
             self._to_post.add(m, not_before)
 
     def _postable(self, tid: str) -> bool:
-        """An item of ``tid`` is ready to post (its chunks' fences completed)."""
+        """A WRITE of ``tid`` is ready to post (its chunks' fences completed)."""
         stream = self._streams.get(tid)
-        return stream is not None and stream.next_item() is not None
+        return stream is not None and stream.next_write() is not None
+
+    def _waits_on_device(self, tid: str) -> bool:
+        """``tid`` has nothing to post until a device fence completes (the
+        writer polls it; a layer not yet saved comes as an inbox event)."""
+        stream = self._streams.get(tid)
+        return (
+            stream is not None
+            and stream.waits_on_device()
+            and stream.next_write() is None
+        )
 
     def _post_due(self, now: float) -> None:
         postable, overdue = self._to_post.sweep(now, self._peers.knows, self._postable)
@@ -333,16 +352,17 @@ class Pipeline:
             )
             return
         stream = self._streams.get(m.transfer_id)
-        item = stream.next_item() if stream is not None else None
-        if stream is None or item is None:
+        write = stream.next_write() if stream is not None else None
+        if stream is None or write is None:
             return
         try:
             total = len(m.dst_block_ids)
-            self._writes.post(item, peer, tp.engine, now, total)
+            self._writes.post(write.items, peer, tp.engine, now, total)
         except Exception as e:
             self._endings.end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, str(e))
             return
-        stream.posted(item)
+        stream.posted(write)
+        self._schedule(stream, now)  # the next layers, as they are written
 
     # -- phase 3: in flight ----------------------------------------------------
 

@@ -70,10 +70,13 @@ class Posting:
     def engines(self) -> set[str]:
         return {tp.engine for tp in self._items.values()}
 
-    def next_due(self) -> float | None:
-        """The earliest time something here may change by itself."""
+    def next_due(self, now: float) -> float | None:
+        """The earliest time after ``now`` something here may change by
+        itself (a delay that ends, or a post deadline). A transfer that
+        waits for an event (its next layer, a Hello) is woken by it."""
         times = [t for tp in self._items.values()
-                 for t in (tp.not_before, tp.matched.post_deadline)]  # fmt: skip
+                 for t in (tp.not_before, tp.matched.post_deadline)
+                 if t > now]  # fmt: skip
         return min(times, default=None)
 
     def sweep(

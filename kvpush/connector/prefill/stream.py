@@ -7,19 +7,24 @@ a whole push (``--push-granularity request``) is a stream of one chunk.
 
 * Chunks arrive in prompt order (:meth:`Stream.add`), each with the device
   fence of the forward that computed it; a block may be sent once its
-  chunk's fence, and every earlier chunk's, completed.
-* Once matched with decode's registration, :meth:`Stream.next_item` cuts
-  the blocks ready and not yet sent (within the registered range: decode's
-  prefix hits are never sent) into one item: everything due at once, so a
-  registration that arrives after several chunks catches up in one
-  coalesced WRITE.
-* The item that reaches the prompt's last block carries the Done; it is
-  offered only once no earlier item is in flight (NIXL does not order
-  separate WRITEs, and Done tells decode every block landed). Meanwhile
-  the blocks before it go as an item of their own.
+  chunk's fence, and every earlier chunk's, completed. A chunk pushed per
+  layer has a :class:`~kvpush.connector.prefill.fence.LayerFences`: its
+  blocks may be sent layer by layer, as each layer's KV is written.
+* The stream keeps, per layer, how far that layer was sent. Once matched
+  with decode's registration, :meth:`Stream.next_write` cuts what is
+  ready and not yet sent (within the registered range: decode's prefix
+  hits are never sent) into one WRITE: everything due at once, so a
+  registration that arrives after several chunks (or layers) catches up
+  in one coalesced WRITE. Its items are block range x layer range pieces,
+  one per group of layers that were sent as far and are ready as far.
+* The WRITE that completes every layer of the prompt carries the Done; it
+  is offered only once no earlier WRITE is in flight (NIXL does not order
+  separate WRITEs, and Done tells decode every block landed). Meanwhile the
+  rest goes as a WRITE of its own, less the *Done piece*: the last block
+  of the last group of layers.
 * Once :meth:`Stream.close` is called (cancelled, preempted, expired, a
   WRITE failed, decode lost) nothing more is offered; the pipeline ends
-  the transfer when its last item in flight ends (:attr:`in_flight`).
+  the transfer when its last WRITE in flight ends (:attr:`in_flight`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvpush.connector.prefill.fence import ReadyFence
+from kvpush.connector.prefill.fence import LayerFences, ReadyFence
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause
 from kvpush.transfer.work import WorkItem
@@ -45,8 +50,30 @@ class Closing:
     why: str
 
 
+@dataclass(frozen=True)
+class Span:
+    """Layers ``layers`` send prompt blocks ``start..end-1``."""
+
+    layers: range
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class StreamWrite:
+    """One WRITE of a stream: a piece per :class:`Span`, the last one
+    carrying the Done when ``notify``."""
+
+    items: tuple[WorkItem, ...]
+    spans: tuple[Span, ...]
+
+    @property
+    def notify(self) -> bool:
+        return self.items[-1].notify
+
+
 class Stream:
-    """The chunks, the registration and the items of one transfer."""
+    """The chunks, the registration and the WRITEs of one transfer."""
 
     def __init__(self, req_id: str, first: ReadyKv, fence: ReadyFence) -> None:
         self.req_id = req_id
@@ -55,14 +82,16 @@ class Stream:
         self.num_tokens = first.num_tokens
         self.final = False  # the last chunk arrived
         self.matched: Matched | None = None
-        self.in_flight = 0  # items posted, not ended
+        self.in_flight = 0  # WRITEs posted, not ended
         self.closing: Closing | None = None
         self.answer_route: bytes | None = None  # decode's Cancel came there
         self._src: list[int] = []
-        self._fences: list[tuple[int, ReadyFence]] = []  # (blocks known, fence)
+        self._chunks: list[tuple[int, ReadyFence]] = []  # (blocks known, fence)
+        self._num_whole = 0  # leading chunks whose every layer is written
         self._num_blocks = 0  # prompt blocks; known at the match
-        self._sent = 0  # prompt block index of the next unsent block
         self._num_layers = 0
+        self._sent: list[int] = []  # per layer: index of its next unsent block
+        self._num_unsent = 0  # layers not sent to the prompt's end
         self.add(first, fence)
 
     def add(self, chunk: ReadyKv, fence: ReadyFence) -> str | None:
@@ -77,7 +106,7 @@ class Stream:
         if set(chunk.src_block_ids) & set(self._src):
             return "source block ids repeat"
         self._src.extend(chunk.src_block_ids)
-        self._fences.append((len(self._src), fence))
+        self._chunks.append((len(self._src), fence))
         self.final = chunk.final
         return None
 
@@ -87,8 +116,10 @@ class Stream:
         self.matched = matched
         self.engine = matched.registration.decode_engine_id
         self._num_blocks = -(-self.num_tokens // block_size)
-        self._sent = matched.registration.first_block
         self._num_layers = num_layers
+        first = matched.registration.first_block
+        self._sent = [first] * num_layers
+        self._num_unsent = num_layers if first < self._num_blocks else 0
 
     def close(self, cause: Cause | None, why: str) -> None:
         """Post nothing more (the first reason given is kept)."""
@@ -102,49 +133,92 @@ class Stream:
 
     @property
     def is_open(self) -> bool:
-        """Matched, not closed, and not every item posted yet."""
+        """Matched, not closed, and not every block of every layer posted."""
         return (
-            self.matched is not None
-            and self.closing is None
-            and self._sent < self._num_blocks
+            self.matched is not None and self.closing is None and self._num_unsent > 0
         )
 
     def has_due(self) -> bool:
         """Something known to post, whether or not its fence completed."""
-        return self._cut(self._end(len(self._src))) > self._sent
+        if not self.is_open:
+            return False
+        return bool(self._spans([self._end(len(self._src))] * self._num_layers))
 
-    def next_item(self) -> WorkItem | None:
-        """The item to post now (None: nothing ready). Does not change the
+    def waits_on_device(self) -> bool:
+        """Whether the first chunk not yet written waits on device work (the
+        writer polls its fence) rather than on the worker's next event."""
+        for _, fence in self._chunks[self._num_whole :]:
+            if not fence.is_ready():
+                if isinstance(fence, LayerFences):
+                    return fence.waits_on_device()
+                return True
+        return False
+
+    def next_write(self) -> StreamWrite | None:
+        """The WRITE to post now (None: nothing ready). Does not change the
         stream; call :meth:`posted` once it was posted."""
-        end = self._cut(self._end(self._ready_blocks()))
-        if self.matched is None or end <= self._sent:
+        if not self.is_open or self.matched is None:
             return None
+        spans = self._spans([self._end(k) for k in self._ready_known()])
+        if not spans:
+            return None
+        done = self._completes(spans)
         first = self.matched.registration.first_block
         dst = self.matched.dst_block_ids
-        return WorkItem(
-            transfer_id=self.transfer_id,
-            src_block_ids=tuple(self._src[self._sent : end]),
-            dst_block_ids=tuple(dst[self._sent - first : end - first]),
-            layers=range(self._num_layers),
-            notify=end == self._num_blocks,
+        items = tuple(
+            WorkItem(
+                transfer_id=self.transfer_id,
+                src_block_ids=tuple(self._src[s.start : s.end]),
+                dst_block_ids=tuple(dst[s.start - first : s.end - first]),
+                layers=s.layers,
+                notify=done and i == len(spans) - 1,
+            )
+            for i, s in enumerate(spans)
         )
+        return StreamWrite(items, tuple(spans))
 
-    def posted(self, item: WorkItem) -> None:
-        self._sent += item.num_blocks
+    def posted(self, write: StreamWrite) -> None:
+        for span in write.spans:
+            for layer in span.layers:
+                self._sent[layer] = span.end
+            if span.end == self._num_blocks:
+                self._num_unsent -= len(span.layers)
         self.in_flight += 1
 
     def item_ended(self) -> None:
         self.in_flight -= 1
 
-    def _cut(self, end: int) -> int:
-        """Where the next item ends: nowhere once closed; one block short of
-        the prompt's end while an item is in flight (the Done item, the
-        prompt's last block, waits for every earlier item)."""
+    def _spans(self, ends: list[int]) -> list[Span]:
+        """What to send, per group of layers, for ``ends`` (per layer: the
+        prompt blocks ready): nothing once closed; while a WRITE is in
+        flight, a WRITE that would complete the prompt leaves out its Done
+        piece (the last block of its last group), which waits for every
+        earlier WRITE."""
         if not self.is_open:
-            return self._sent
-        if end == self._num_blocks and self.in_flight > 0:
-            return end - 1
-        return end
+            return []
+        spans: list[Span] = []
+        start_layer = 0
+        sent = self._sent
+        for layer in range(1, self._num_layers + 1):
+            if (
+                layer < self._num_layers
+                and sent[layer] == sent[start_layer]
+                and ends[layer] == ends[start_layer]
+            ):
+                continue
+            a, b = sent[start_layer], ends[start_layer]
+            if b > a:
+                spans.append(Span(range(start_layer, layer), a, b))
+            start_layer = layer
+        if spans and self.in_flight > 0 and self._completes(spans):
+            last = spans.pop()
+            if last.end - 1 > last.start:
+                spans.append(Span(last.layers, last.start, last.end - 1))
+        return spans
+
+    def _completes(self, spans: list[Span]) -> bool:
+        complete = sum(len(s.layers) for s in spans if s.end == self._num_blocks)
+        return complete == self._num_unsent
 
     def _end(self, known: int) -> int:
         """Prompt blocks complete among the first ``known`` (capped at the
@@ -155,13 +229,26 @@ class Stream:
             return self._num_blocks
         return min(known, self._num_blocks)
 
-    def _ready_blocks(self) -> int:
-        ready = 0
-        for known, fence in self._fences:
-            if not fence.is_ready():
+    def _ready_known(self) -> list[int]:
+        """Per layer: how many of the prompt's known blocks hold that
+        layer's KV (every earlier chunk's fence, for that layer, completed)."""
+        num_layers = self._num_layers
+        chunks = self._chunks
+        while self._num_whole < len(chunks) and chunks[self._num_whole][1].is_ready():
+            self._num_whole += 1
+        known = chunks[self._num_whole - 1][0] if self._num_whole else 0
+        ends = [known] * num_layers
+        top = num_layers  # layers below it are written in every chunk so far
+        for blocks, fence in chunks[self._num_whole :]:
+            ready = fence.num_ready() if isinstance(fence, LayerFences) else 0
+            if ready < top:
+                ends[ready:top] = [known] * (top - ready)
+                top = ready
+            if top == 0:
                 break
-            ready = known
-        return ready
+            known = blocks
+            ends[:top] = [known] * top
+        return ends
 
 
 class Streams:

@@ -6,7 +6,14 @@ side-channel listener and starts the writer thread. Right after the
 forward that computed a prompt's last token (``wait_for_save``) the KV is
 handed to the writer, with a device fence; streamed, after every forward
 that completed blocks (and, before the first forward, the blocks prefill's
-own prefix cache held). Before a forward that may reuse
+own prefix cache held). A chunk pushed per layer (``layer``, or ``auto``
+for a large chunk: :meth:`ConnectorConfig.pushes_per_layer`) is handed
+over before its forward, with a :class:`LayerFences`, and each layer's
+``save_kv_layer`` (right after that layer's attention wrote the KV) tells
+the writer that layer may go, with a per-layer fence; ``wait_for_save``
+then covers every layer with the forward's fence. ``save_kv_layer`` only
+puts a small tuple on the writer's inbox, and does nothing at all in a
+step that computes no chunk pushed per layer. Before a forward that may reuse
 the blocks of preempted requests, ``handle_preemptions`` closes their
 pushes and waits until no WRITE reads those blocks. ``get_finished``
 reports each request whose push is over once vLLM has finished it too, so
@@ -23,9 +30,15 @@ from kvpush.connector.agent import open_agent
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
+from kvpush.connector.kv_memory import layer_indices
 from kvpush.connector.metadata import PrefillMetadata, PushTrigger
 from kvpush.connector.nixl_io import NixlIO
-from kvpush.connector.prefill.fence import ReadyFence, record_fence
+from kvpush.connector.prefill.fence import (
+    ALL_LAYERS,
+    LayerFences,
+    ReadyFence,
+    record_fence,
+)
 from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.side_channel import Listener
@@ -53,10 +66,14 @@ class PrefillWorker:
         self._finished_reqs: set[str] = set()  # of those, finished in vLLM
         self._pushed: set[str] = set()  # of those, push over; not yet reported
         self._meta = PrefillMetadata()
+        self._layer_of: dict[str, int] = {}  # vLLM's layer name -> our layer
+        self._layers: LayerFences | None = None  # this forward's, if per layer
+        self._per_layer: list[PushTrigger] = []  # handed over with _layers
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._device_type = next(iter(kv_caches.values())).device.type
         self._io = open_agent(self.config, kv_caches)
+        self._layer_of = layer_indices(kv_caches)
         matcher = MatcherConfig(
             block_size=self.config.block_size, ready_ttl_s=self.config.ready_ttl_s
         )
@@ -91,9 +108,37 @@ class PrefillWorker:
         prefill's own prefix cache go to the writer now (behind a fence on
         the work already queued: the forward that computed them)."""
         self._meta = meta
+        if self._writer is None:
+            return
         cached = [t for t in meta.triggers if t.cached]
-        if cached and self._writer is not None:
+        if cached:
             self._hand_over(cached, record_fence(self._device_type))
+        self._per_layer = [
+            t for t in meta.triggers if not t.cached and self._goes_per_layer(t)
+        ]
+        if self._per_layer and self._io is not None:
+            self._layers = LayerFences(self._io.layout.num_layers)
+            self._hand_over(self._per_layer, self._layers, mark_ready=False)
+
+    def _goes_per_layer(self, trigger: PushTrigger) -> bool:
+        layout = self._io.layout if self._io is not None else None
+        if layout is None or not self.config.may_push_per_layer:
+            return False
+        layer_bytes = layout.block_bytes * layout.regions_per_layer
+        return self.config.pushes_per_layer(len(trigger.src_block_ids) * layer_bytes)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Right after ``layer_name``'s attention wrote this forward's KV
+        (vLLM's forward path, per layer): let that layer of the chunks
+        pushed per layer go. Cheap by design: nothing unless this forward
+        computes such a chunk, else one dict lookup and one inbox put."""
+        layers = self._layers
+        if layers is None:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            fence = record_fence(self._device_type)
+            self._writer.layer_saved(layers, layer, fence)  # type: ignore[union-attr]
 
     def handle_preemptions(self, meta: PrefillMetadata) -> None:
         """Before the forward of the step whose schedule preempted requests:
@@ -119,26 +164,40 @@ class PrefillWorker:
         """After the forward: push the KV this step's forward computed."""
         if self._writer is None:
             return
-        computed = [t for t in self._meta.triggers if not t.cached]
-        if computed:
-            self._hand_over(computed, record_fence(self._device_type))
+        computed = [
+            t for t in self._meta.triggers if not t.cached and t not in self._per_layer
+        ]
+        if computed or self._layers is not None:
+            fence = record_fence(self._device_type)
+            self._hand_over(computed, fence)
+            if self._layers is not None:  # also any layer never saved
+                self._writer.layer_saved(self._layers, ALL_LAYERS, fence)
+                self._writer.kv_computed([self._ready_kv(t) for t in self._per_layer])
+            self._layers, self._per_layer = None, []
         for tid in self._meta.cancels:
             self._writer.cancel(tid)
         self._meta = PrefillMetadata()
 
-    def _hand_over(self, triggers: list[PushTrigger], fence: ReadyFence) -> None:
+    def _hand_over(
+        self, triggers: list[PushTrigger], fence: ReadyFence, mark_ready: bool = True
+    ) -> None:
         for t in triggers:
-            ready = ReadyKv(
-                transfer_id=t.transfer_id,
-                src_block_ids=t.src_block_ids,
-                num_tokens=t.num_tokens,
-                decode_engine_id=t.decode_engine_id,
-                first_block=t.first_block,
-                final=t.final,
-                claim_sha256=t.claim_sha256,
-            )
             self._triggered.add(t.req_id)
-            self._writer.kv_ready(ready, t.req_id, fence)  # type: ignore[union-attr]
+            self._writer.kv_ready(  # type: ignore[union-attr]
+                self._ready_kv(t), t.req_id, fence, mark_ready
+            )
+
+    @staticmethod
+    def _ready_kv(t: PushTrigger) -> ReadyKv:
+        return ReadyKv(
+            transfer_id=t.transfer_id,
+            src_block_ids=t.src_block_ids,
+            num_tokens=t.num_tokens,
+            decode_engine_id=t.decode_engine_id,
+            first_block=t.first_block,
+            final=t.final,
+            claim_sha256=t.claim_sha256,
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Prefill requests whose blocks may be freed now."""

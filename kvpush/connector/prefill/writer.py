@@ -31,7 +31,7 @@ from typing import Any
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.nixl_io import NixlIO
-from kvpush.connector.prefill.fence import ReadyFence
+from kvpush.connector.prefill.fence import LayerFences, ReadyFence
 from kvpush.connector.prefill.pipeline import Pipeline, Ready, WriterConfig
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.matcher import ReadyKv
@@ -48,6 +48,7 @@ class Kind(enum.Enum):
 
     MESSAGE = "message"  # (route, Message) from the listener thread
     READY = "ready"  # Ready from the worker's main thread
+    LAYER = "layer"  # (LayerFences, layer, fence) from the worker's main thread
     CANCEL = "cancel"  # transfer id prefill gave up
     PREEMPT = "preempt"  # _Preempt from the worker's main thread
     STOP = "stop"
@@ -99,14 +100,32 @@ class Writer:
             self._tracer.mark(message.transfer_id, "reg_received", peer=engine)
         self._inbox.put((Kind.MESSAGE, (route, message)))
 
-    def kv_ready(self, ready: ReadyKv, req_id: str, fence: ReadyFence) -> None:
+    def kv_ready(
+        self, ready: ReadyKv, req_id: str, fence: ReadyFence, mark_ready: bool = True
+    ) -> None:
         """From the worker's main thread, right after the forward that
         computed the prompt's last token (streamed: each chunk's, in prompt
-        order; the last one is ``final`` and marks ``kv_ready``)."""
-        if ready.final:  # a late-bound KV learns its peer at the match
-            peer = {} if ready.is_late else {"peer": ready.decode_engine_id}
-            self._tracer.mark(ready.transfer_id, "kv_ready", **peer)
+        order; the last one is ``final`` and marks ``kv_ready``; a chunk
+        pushed per layer comes before its forward, and is marked by
+        :meth:`kv_computed` after it)."""
+        if mark_ready:
+            self.kv_computed([ready])
         self._inbox.put((Kind.READY, Ready(ready, req_id, fence)))
+
+    def kv_computed(self, chunks: list[ReadyKv]) -> None:
+        """The forward computing ``chunks`` ended: the final ones mark
+        ``kv_ready`` (main thread; the tracer is thread-safe)."""
+        for ready in chunks:
+            if ready.final:  # a late-bound KV learns its peer at the match
+                peer = {} if ready.is_late else {"peer": ready.decode_engine_id}
+                self._tracer.mark(ready.transfer_id, "kv_ready", **peer)
+
+    def layer_saved(self, fences: LayerFences, layer: int, fence: ReadyFence) -> None:
+        """From the worker's main thread, in ``save_kv_layer`` (per layer,
+        only in forwards that compute chunks pushed per layer) and at
+        ``wait_for_save`` (``layer`` ALL_LAYERS): that layer's KV is written
+        once ``fence`` says so. Only puts a tuple on the inbox."""
+        self._inbox.put((Kind.LAYER, (fences, layer, fence)))
 
     def cancel(self, transfer_id: str) -> None:
         """From the worker's main thread: prefill gave the request up."""
@@ -176,6 +195,8 @@ class Writer:
             p.on_message(item[0], item[1], now)
         elif kind is Kind.READY:
             p.on_ready(item, now)
+        elif kind is Kind.LAYER:
+            p.on_layer_saved(*item)
         elif kind is Kind.CANCEL:
             p.on_prefill_cancel(item, now)
         elif kind is Kind.PREEMPT:

@@ -32,14 +32,17 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvpush.connector.counters import Counters
 from kvpush.connector.nixl_io import NixlIO, XferState
 from kvpush.connector.prefill.decode_peers import DecodePeer
 from kvpush.connector.trace import Tracer
-from kvpush.transfer.coalesce import descriptors, runs
+from kvpush.transfer.coalesce import Descs, descriptors, runs
 from kvpush.transfer.messages import Done, encode
 from kvpush.transfer.work import WorkItem
 
@@ -56,7 +59,8 @@ class Outcome(enum.Enum):
 
 @dataclass
 class InFlight:
-    """One posted WRITE (one work item) and what is known about its end."""
+    """One posted WRITE (one or more work items of one transfer) and what
+    is known about its end."""
 
     handle: Any
     transfer_id: str
@@ -70,8 +74,10 @@ class InFlight:
 
 
 class Writes:
-    """The WRITEs in flight, one per posted work item; a transfer may have
-    several (one per chunk streamed), keyed here by (transfer id, item)."""
+    """The WRITEs in flight; a transfer may have several (streamed: one per
+    chunk, or per chunk and layer), each tracked on its own, keyed here by
+    (transfer id, sequence number): a transfer has a WRITE in flight while
+    any of its (item, layer) pieces is."""
 
     def __init__(
         self,
@@ -89,35 +95,48 @@ class Writes:
         self._seq = itertools.count()
 
     def post(
-        self, item: WorkItem, peer: DecodePeer, engine: str, now: float, total: int
+        self,
+        items: Sequence[WorkItem],
+        peer: DecodePeer,
+        engine: str,
+        now: float,
+        total: int,
     ) -> None:
-        """One WRITE for one work item (a block range x a layer range); the
-        transfer's last item carries the Done notification, naming all
-        ``total`` blocks of the transfer (the caller posts it only once no
-        earlier item is in flight). Raises when it cannot be posted (a block
-        outside either cache, NIXL refusing)."""
-        done = Done(
-            transfer_id=item.transfer_id, engine_id=self._engine_id, num_blocks=total
-        )
-        notif = encode(done) if item.notify else b""
-        block_runs = runs(item.src_block_ids, item.dst_block_ids)
+        """One WRITE of one transfer's ``items`` (block range x layer range
+        pieces, each coalesced into runs; one piece on the whole or chunk
+        path, one per group of layers when pushed per layer); if the last
+        item notifies it carries the transfer's Done, naming all ``total``
+        blocks of the transfer (the caller posts it only once no earlier
+        WRITE of the transfer is in flight). Raises when it cannot be
+        posted (a block outside either cache, NIXL refusing)."""
+        tid = items[-1].transfer_id
+        notify = items[-1].notify
+        done = Done(transfer_id=tid, engine_id=self._engine_id, num_blocks=total)
         layouts = (self._io.layout, peer.layout)
-        src, dst = descriptors(block_runs, *layouts, item.layers)
-        handle = self._io.write(src, dst, peer.agent_name, notif)
-        deadline = now + self._timeout_s
-        tid = item.transfer_id
-        flight = InFlight(handle, tid, engine, deadline, total, item.notify)
+        srcs, dsts, num_runs, num_bytes = [], [], 0, 0
+        for item in items:
+            block_runs = runs(item.src_block_ids, item.dst_block_ids)
+            src, dst = descriptors(block_runs, *layouts, item.layers)
+            srcs.append(src)
+            dsts.append(dst)
+            num_runs += len(block_runs)
+            num_bytes += item.num_blocks * len(item.layers)
+        src, dst = (srcs[0], dsts[0]) if len(items) == 1 else _joined(srcs, dsts)
+        handle = self._io.write(
+            src, dst, peer.agent_name, encode(done) if notify else b""
+        )
+        flight = InFlight(handle, tid, engine, now + self._timeout_s, total, notify)
         self._inflight[(tid, next(self._seq))] = flight
         self._per_transfer[tid] = self._per_transfer.get(tid, 0) + 1
-        num_bytes = item.num_blocks * self._io.layout.block_bytes
-        num_bytes *= len(item.layers) * self._io.layout.regions_per_layer
+        layout = self._io.layout
         self._tracer.mark(
             tid,
             "write_posted",
             num_descs=len(src),
-            num_runs=len(block_runs),
-            num_blocks=item.num_blocks,
-            num_bytes=num_bytes,
+            num_runs=num_runs,
+            num_blocks=sum(item.num_blocks for item in items),
+            num_layers=len({layer for item in items for layer in item.layers}),
+            num_bytes=num_bytes * layout.block_bytes * layout.regions_per_layer,
         )
 
     def next_due(self, now: float) -> float | None:
@@ -195,3 +214,10 @@ class Writes:
             else:
                 kept += 1
         return kept
+
+
+def _joined(srcs: list[Descs], dsts: list[Descs]) -> tuple[Descs, Descs]:
+    """Several items' descriptors as the two arrays of one WRITE."""
+    return np.ascontiguousarray(np.concatenate(srcs)), np.ascontiguousarray(
+        np.concatenate(dsts)
+    )
