@@ -45,7 +45,7 @@ from tests.unit.test_connector_writer import (
 from tests.unit.test_connector_writer_late import TOKEN, LateRig
 
 LAYERS = 4
-SLOW = ("PROC",) * 200 + ("DONE",)  # a WRITE that runs for ~0.1 s
+SLOW = ("PROC",) * 1000 + ("DONE",)  # a WRITE that runs for ~0.5 s or more
 ALL = [4, 5, 6, 9]  # every prompt block, on prefill
 
 
