@@ -17,7 +17,6 @@ attempts share the one request deadline.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 import time
@@ -36,7 +35,7 @@ from kvpush.router.relay import relay, reply_error
 from kvpush.router.requests import PushDecodeParams, returned_kv_params
 from kvpush.router.selection import has_every_role
 from kvpush.topology import Backend
-from kvpush.transfer.messages import DecodeLeg, PrefillLeg
+from kvpush.transfer.messages import DecodeLeg, PrefillLeg, claim_digest
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +179,6 @@ async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
         out = await _early_flow(ctx, prefill, plan.decode)
     ctx.routing.served(plan)
     return out
-
-
-def claim_digest(token: str) -> str:
-    """What a late prefill leg carries of its claim token: the SHA-256 hex
-    digest (prefill's logs and request params never hold the token)."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 async def _late_flow(

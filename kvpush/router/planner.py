@@ -126,6 +126,8 @@ class Planner:
             decode_busy=busy_score(self._load(decode, now), self.config.weights),
             late_min_busy=self.config.late_min_busy,
         )
+        if decision.binding != "late":  # a late choice takes its turn later
+            self._num_decode_picks += 1
         prefill = None
         if decision.has_prefill_leg:
             if not ready_prefills:
@@ -149,10 +151,12 @@ class Planner:
         candidates = usable(decodes, self.health, avoided)
         if not candidates:
             raise no_healthy_instance("decode", len(decodes))
-        return self.choose_decode(
+        chosen = self.choose_decode(
             candidates, [d.engine_id for d in decodes], [prefill], prompt, hashes,
             now,
         )  # fmt: skip
+        self._num_decode_picks += 1
+        return chosen
 
     def choose_decode(
         self,
@@ -163,7 +167,9 @@ class Planner:
         hashes: Sequence[int],
         now: float,
     ) -> tuple[Backend, DecodeReason, int]:
-        """The decode among ``candidates``, why, and the tokens it holds."""
+        """The decode among ``candidates``, why, and the tokens it holds
+        (equal scores: the one whose turn it is; the caller advances the
+        turn once per decode it uses)."""
         num_tokens = len(prompt.tokens) if prompt.tokens else 0
         bs = self.config.block_size
         held = {
@@ -182,7 +188,6 @@ class Planner:
             candidates, score, self._num_decode_picks, self._rng,
             self.config.full_scan_max,
         )  # fmt: skip
-        self._num_decode_picks += 1
         chosen = best
         reason: DecodeReason = "prefix" if held[best.engine_id] else "load"
         if prompt.session is not None:

@@ -200,12 +200,25 @@ def _check_token_limits(body: dict[str, Any]) -> None:
             raise bad_request(f"{key} must be an integer >= 1, not {value!r}", key)
 
 
+GREEDY_BELOW = 1e-5  # vLLM treats a temperature below this as greedy
+
+
 def _check_n(body: dict[str, Any], allow_n: bool) -> None:
     n = body.get("n")
     if n is None:
         return
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise bad_request(f"n must be an integer >= 1, not {n!r}", "n")
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, int | float) and temperature < GREEDY_BELOW:
+        # vLLM refuses it too, but only on decode: a prefill leg would have
+        # computed (and held) the prompt's KV for nothing.
+        raise bad_request(
+            f"n > 1 needs sampling: temperature {temperature} is greedy, so "
+            "every choice would be the same (vLLM refuses it); raise the "
+            "temperature or send n=1",
+            "n",
+        )
     if n > 1 and not allow_n:
         raise bad_request(
             "n > 1 is not supported with vLLM's own P/D connectors "

@@ -158,6 +158,14 @@ async def test_forced_late_sends_prefill_first_then_the_claim_to_a_decode(
     assert _binding_count(metrics, "late", "forced") == 1
 
 
+async def test_late_bound_requests_take_turns_on_idle_decodes() -> None:
+    async with routed("kvpush", num_decodes=2, routing=_routing("late")) as r:
+        for i in range(4):
+            await _post(r, {**COMPLETION, "prompt": f"prompt {i}"})
+        counts = {d.engine_id: len(d.received) for d in r.cluster.decodes}
+    assert counts == {"decode0": 2, "decode1": 2}
+
+
 async def test_late_binding_chooses_the_decode_on_the_load_at_prefills_answer() -> None:
     async with routed("kvpush", num_decodes=2, routing=_routing("late")) as r:
         decode0, decode1 = r.cluster.decodes

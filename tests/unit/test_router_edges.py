@@ -76,6 +76,12 @@ BAD_BODIES: list[tuple[str, str, bytes, str]] = [
         "max_completion_tokens",
     ),
     ("n 2", "/v1/completions", b'{"prompt": "x", "n": 2}', "n > 1"),
+    (
+        "n 2 greedy",
+        "/v1/completions",
+        b'{"prompt": "x", "n": 2, "temperature": 0}',
+        "needs sampling",
+    ),
     ("stream str", "/v1/completions", b'{"prompt": "x", "stream": "yes"}', "stream"),
     (
         "client kv params",
