@@ -106,7 +106,10 @@ class PrefillWorker:
     def bind(self, meta: PrefillMetadata) -> None:
         """Take this step's instructions (before the forward); blocks from
         prefill's own prefix cache go to the writer now (behind a fence on
-        the work already queued: the forward that computed them)."""
+        the work already queued: the forward that computed them), and so
+        do the chunks this forward computes that go per layer, with the
+        forward's :class:`LayerFences` (their layers follow, from
+        :meth:`save_kv_layer`)."""
         self._meta = meta
         if self._writer is None:
             return
