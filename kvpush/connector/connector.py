@@ -233,9 +233,10 @@ class KvPushConnector(KVConnectorBase_V1):
 
 def _log_cudagraph_needs(config: ConnectorConfig) -> None:
     """Say once per instance (its scheduler's connector) what per-layer
-    push asks of vLLM's CUDA graphs."""
+    push asks of vLLM's CUDA graphs (a warning: vLLM's logging shows no
+    INFO of other packages, and this changes how vLLM runs)."""
     if config.may_push_per_layer:
-        logger.info(
+        logger.warning(
             "kvpush: push_granularity %r may push per layer, from save_kv_layer "
             "after each layer's attention; that hook cannot run inside a captured "
             "CUDA graph, so requires_piecewise_for_cudagraph is True and vLLM runs "

@@ -209,7 +209,7 @@ def test_per_layer_push_asks_vllm_for_piecewise_cuda_graphs(extra, piecewise):
 def test_the_piecewise_need_is_logged_once_at_start_up(caplog):
     from kvpush.connector.connector import _log_cudagraph_needs
 
-    with caplog.at_level("INFO", logger="kvpush.connector.connector"):
+    with caplog.at_level("WARNING", logger="kvpush.connector.connector"):
         _log_cudagraph_needs(replace(make_config("prefill"), push_granularity="auto"))
         _log_cudagraph_needs(make_config("prefill"))  # request: nothing to say
     (record,) = caplog.records
