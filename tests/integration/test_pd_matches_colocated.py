@@ -1,7 +1,8 @@
 """Through vLLM's pull and push connectors and kvpush's own connector
 (behind kvpush's router), greedy outputs equal a colocated instance's, for
 every API shape, streamed or not, one at a time and 32 at once; ``down``
-leaves no process behind."""
+leaves no process behind. kvpush runs at each push granularity: whole
+request, per chunk and per chunk and layer."""
 
 from __future__ import annotations
 
@@ -95,4 +96,15 @@ class TestKvPushStreamed(TestKvPush):
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "push_granularity": "chunk",
+    }
+
+
+class TestKvPushPerLayer(TestKvPush):
+    """kvpush's connector streaming per prefill chunk and layer
+    (``--push-granularity layer``): each layer of each 256-token chunk is
+    pushed from ``save_kv_layer``, right after that layer's attention."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        "max_num_batched_tokens": 256,
+        "push_granularity": "layer",
     }

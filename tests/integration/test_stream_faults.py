@@ -1,7 +1,8 @@
-"""Faults in the middle of a streamed push (``--push-granularity chunk``,
-64-token prefill chunks, 128-token blocks: a long prompt is pushed as many
-items). Each request ends correct (decode recomputes what did not arrive)
-and no KV blocks stay held; the pair then pushes again.
+"""Faults in the middle of a streamed push (``--push-granularity chunk``
+and ``layer``, 64-token prefill chunks, 128-token blocks: a long prompt is
+pushed as many items; per layer, each of them a WRITE per layer). Each
+request ends correct (decode recomputes what did not arrive) and no KV
+blocks stay held; the pair then pushes again.
 
 The writer's fault delay on ready KV (``delay_ready_s``) holds every chunk
 before it reaches the writer, so the items of one transfer are posted over
@@ -24,16 +25,19 @@ from tests.integration.conftest import Cluster, start_cluster
 
 pytestmark = pytest.mark.integration
 
-OPTIONS: dict[str, Any] = {**faults.SHORT_DEADLINES, "push_granularity": "chunk"}
+OPTIONS: dict[str, Any] = dict(faults.SHORT_DEADLINES)
 DEADLINE_S = 60.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["chunk", "layer"])
 def cluster(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
+    options = {**OPTIONS, "push_granularity": request.param}
     c = start_cluster(
-        "kvpush", model_dir, tmp_path_factory.mktemp("sfaults"), **OPTIONS
+        "kvpush", model_dir, tmp_path_factory.mktemp("sfaults"), **options
     )
     try:
         yield c
