@@ -30,10 +30,15 @@ def _yes_no(text: str) -> bool:
 _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--configs", "configs", None, "configurations to compare, comma-separated "
      "(default colocated,vllm-pull,vllm-push,kvpush; kvpush-auto, kvpush-early, "
-     "kvpush-late, kvpush-skip: kvpush with that router --binding)"),
+     "kvpush-late, kvpush-skip: kvpush with that router --binding; "
+     "kvpush.request, kvpush.chunk, kvpush.layer, kvpush.auto: kvpush with "
+     "prefill at that --push-granularity, a cluster each)"),
     ("--prefill", "num_prefill", int, "prefill instances of P/D configurations (1)"),
     ("--decode", "num_decode", int, "decode instances of P/D configurations (1)"),
     ("--model", "model", Path, "model directory (default: the tiny model)"),
+    ("--model-preset", "model_preset", None, "a named model shape, made on first "
+     "use (kv-heavy: 64 KiB of KV per token; it also sets --max-model-len 8192 "
+     "and --kv-cache-space-gb 4 unless given)"),
     ("--model-layers", "model_layers", int, "generate a model with this many layers"),
     ("--model-hidden-size", "model_hidden_size", int, "... and this hidden size"),
     ("--model-kv-heads", "model_kv_heads", int, "... and this many KV heads"),

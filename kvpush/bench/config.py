@@ -14,17 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.lengths import LengthSpec
-from kvpush.router.binding import POLICIES, check_policy
+from kvpush.bench.names import (
+    BINDING_CONFIGS,
+    CONFIG_NAMES,
+    GRANULARITY_CONFIGS,
+    cluster_of,
+    unknown_names_message,
+)
+from kvpush.model.presets import PRESETS as MODEL_PRESETS
+from kvpush.model.presets import preset as model_preset_of
+from kvpush.router.binding import check_policy
 from kvpush.settings_file import read_settings_file
-from kvpush.topology import MODES
 
 ARRIVALS = ("poisson", "concurrency")
 HOSTS = ("local", "netns")  # as kvpush up --hosts
 MAX_LINK_GBIT = 100.0  # as kvpush up --link-gbit
 DEFAULT_CONFIGS = ("colocated", "vllm-pull", "vllm-push", "kvpush")
-# kvpush with its router's binding forced (kvpush-early) or decided (kvpush-auto)
-BINDING_CONFIGS = {f"kvpush-{policy}": policy for policy in POLICIES}
-CONFIG_NAMES = (*MODES, *BINDING_CONFIGS)
+__all__ = ["BINDING_CONFIGS", "CONFIG_NAMES", "GRANULARITY_CONFIGS", "cluster_of"]
 # sweep: the load sweep; skewed: the same with one decode kept busy by long
 # plain requests; multi-turn: conversations whose turns extend each other
 WORKLOADS = ("sweep", "skewed", "multi-turn")
@@ -57,7 +63,10 @@ class BenchConfig:
     ``prompt_len_sweep`` sweeps fixed prompt lengths instead, at the one
     load given. ``shared_prefix_fraction`` of every prompt is a prefix
     common to all requests of a point. ``model_*`` pick a model size other
-    than the tiny default (built on first use); ``model`` a model directory.
+    than the tiny default (built on first use); ``model`` a model directory;
+    ``model_preset`` a named shape of :mod:`kvpush.model.presets` (made on
+    first use, as ``kvpush up --model-preset``; :func:`make_config` takes its
+    ``max_model_len`` and ``kv_cache_space_gb`` unless they are given).
 
     ``hosts="netns"`` runs every cluster on the multi-host rehearsal (each
     instance in its own network namespace, see
@@ -71,6 +80,7 @@ class BenchConfig:
     num_prefill: int = 1
     num_decode: int = 1
     model: Path | None = None
+    model_preset: str | None = None
     model_layers: int | None = None
     model_hidden_size: int | None = None
     model_kv_heads: int | None = None
@@ -171,12 +181,23 @@ class BenchConfig:
             self.model is None or all(getattr(self, n) is None for n in sizes),
             "give either model (a directory) or model_* sizes, not both",
         )
+        if self.model_preset is None:
+            return
+        require(
+            self.model_preset in MODEL_PRESETS,
+            f"unknown model_preset {self.model_preset!r}; choose from "
+            f"{', '.join(MODEL_PRESETS)}",
+        )
+        require(
+            self.model is None and all(getattr(self, n) is None for n in sizes),
+            "give model_preset alone: not with model or model_* sizes",
+        )
 
     def _check_configs(self) -> None:
         names = ", ".join(CONFIG_NAMES)
         require(bool(self.configs), f"configs must name one or more of {names}")
         unknown = [c for c in self.configs if c not in CONFIG_NAMES]
-        require(not unknown, f"unknown configs {unknown}; choose from {names}")
+        require(not unknown, unknown_names_message(unknown))
         require(
             len(set(self.configs)) == len(self.configs),
             f"configs lists a configuration twice: {list(self.configs)}",
@@ -199,6 +220,13 @@ class BenchConfig:
             self._check_conversations()
         if self.shares_kvpush_cluster:
             self._check_router_ports()
+            streamed = [c for c in self.configs if c in GRANULARITY_CONFIGS]
+            require(
+                not streamed,
+                f"{streamed}: a push granularity is prefill's connector config, "
+                "so each needs a cluster of its own; give "
+                "--share-kvpush-cluster no (or drop them)",
+            )
 
     @property
     def shares_kvpush_cluster(self) -> bool:
@@ -341,7 +369,7 @@ _TUPLES = {
     "prompt_len_sweep": int,
     "link_gbit": float,
 }
-_STRINGS = ("prompt_len", "output_len", "hosts", "workload")
+_STRINGS = ("prompt_len", "output_len", "hosts", "workload", "model_preset")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -361,6 +389,10 @@ def make_config(*layers: dict[str, Any]) -> BenchConfig:
                 f"unknown bench settings {unknown}; known: {sorted(FIELD_NAMES)}"
             )
         values.update(layer)
+    if values.get("model_preset") is not None:
+        chosen = model_preset_of(str(values["model_preset"]))
+        values.setdefault("max_model_len", chosen.max_model_len)
+        values.setdefault("kv_cache_space_gb", chosen.kv_cache_space_gb)
     converted = {key: _convert(key, value) for key, value in values.items()}
     try:
         return BenchConfig(**converted)
@@ -393,14 +425,6 @@ def _item(kind: type, value: Any) -> Any:
     if kind is int and not number.is_integer():
         raise ValueError(f"{value!r} is not a whole number")
     return kind(number)
-
-
-def cluster_of(name: str) -> tuple[str, str | None]:
-    """A configuration's cluster mode and router binding (None: the
-    router's default)."""
-    if name in BINDING_CONFIGS:
-        return "kvpush", BINDING_CONFIGS[name]
-    return name, None
 
 
 def preset(name: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from kvpush.bench.config import BenchConfig
 from kvpush.bench.lengths import read_trace
 from kvpush.bench.workload import Traces
 from kvpush.model import ModelSpec, default_model_dir, ensure_model
+from kvpush.model.presets import ensure_preset, preset_dir
 
 
 def model_spec(config: BenchConfig) -> ModelSpec | None:
@@ -48,6 +49,10 @@ def resolve_model(config: BenchConfig, console: Console) -> Path:
             raise ValueError(f"model {config.model} is not a model directory")
         return config.model
     home = env.kvpush_home()
+    if config.model_preset is not None:
+        target = preset_dir(home, config.model_preset)
+        with console.status(f"preparing the model in {target}"):
+            return ensure_preset(home, config.model_preset)
     spec = model_spec(config)
     if spec is None:
         target, spec = default_model_dir(home), ModelSpec()

@@ -5,7 +5,9 @@
 - the TTFT CDF at every sweep point;
 - a timeline of a few requests of the first point per configuration, each
   from its own send: waiting for the first token, then decoding, with the
-  server's handover phases drawn inside where timelines exist.
+  server's handover phases drawn inside where timelines exist;
+- on a prompt-length sweep, the handover overhead (TTFT p50 − colocated's)
+  against prompt length, one line per P/D configuration (and link rate).
 
 On a rehearsal swept over link rates every configuration at every rate is
 a series of its own (``kvpush @4 Gbit/s``); with a single sweep point,
@@ -26,12 +28,16 @@ import matplotlib.pyplot as plt
 
 from kvpush.bench.records import RequestRecord
 from kvpush.bench.report import AXIS_NAMES, plot_axis, plot_files
+from kvpush.bench.report_net import overhead
 from kvpush.bench.stats import ttft_s
 from kvpush.bench.summary import BenchSummary, ConfigResult
 from kvpush.bench.timeline import MATCHED, Timeline
 
 DPI = 80
-_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+_COLORS = (
+    "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+    "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan",
+)  # fmt: skip
 # Server segments drawn in the timeline: (label, from event, to event).
 _SERVER_SEGMENTS = (
     ("await registration", "kv_ready", MATCHED),
@@ -54,12 +60,35 @@ def write_plots(
     runs = [c for c in summary.configs if c.status == "ok"]
     timeline_path = out_dir / files["timeline"]
     against = _against_rate if plot_axis(summary) == "link_gbit" else _against_axis
-    return [
+    written = [
         against(summary, runs, "ttft_ms", "TTFT", out_dir / files["ttft"]),
         against(summary, runs, "tpot_ms", "TPOT", out_dir / files["tpot"]),
         _cdf(summary, runs, records, out_dir / files["cdf"]),
         _timeline(runs, records, timelines, num_timeline_requests, timeline_path),
     ]
+    if "overhead" in files:
+        written.append(_overhead(summary, runs, out_dir / files["overhead"]))
+    return written
+
+
+def _overhead(summary: BenchSummary, runs: Sequence[ConfigResult], path: Path) -> Path:
+    """Handover overhead against prompt length, a line per P/D run."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    xs = [p.x for p in summary.points]
+    pd_runs = [run for run in runs if run.name != "colocated"]
+    for i, run in enumerate(pd_runs):
+        ys = [
+            overhead(summary, run.name, run.link_gbit, p.index) for p in summary.points
+        ]
+        values = [float("nan") if y is None else y for y in ys]
+        ax.plot(xs, values, "-o", color=_COLORS[i % len(_COLORS)], label=run.label)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xlabel(AXIS_NAMES["prompt_len"] + " (tokens)")
+    ax.set_ylabel("TTFT p50 − colocated TTFT p50 (ms)")
+    ax.set_title("Handover overhead against prompt length")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
 
 
 def _color(runs: Sequence[ConfigResult], run: ConfigResult) -> str:

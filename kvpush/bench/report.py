@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from kvpush.bench.report_net import hosts_line, rehearsal_sections
 from kvpush.bench.report_scenario import scenario_sections, workload_line
+from kvpush.bench.report_sweep import sweep_sections
 from kvpush.bench.stats import Dist, PointStats, ratio
 from kvpush.bench.summary import BenchSummary, PointInfo, rate
 from kvpush.bench.timeline import HandoverStats
@@ -41,13 +42,17 @@ def plot_axis(summary: BenchSummary) -> str:
 
 
 def plot_files(axis: str) -> dict[str, str]:
-    """Plot name -> file name, for a sweep over ``axis``."""
-    return {
+    """Plot name -> file name, for a sweep over ``axis`` (a prompt-length
+    sweep also draws the handover overhead)."""
+    files = {
         "ttft": f"ttft_vs_{axis}.png",
         "tpot": f"tpot_vs_{axis}.png",
         "cdf": "ttft_cdf.png",
         "timeline": "timeline.png",
     }
+    if axis == "prompt_len":
+        files["overhead"] = "overhead_vs_prompt_len.png"
+    return files
 
 
 def render_report(
@@ -61,6 +66,7 @@ def render_report(
     parts += [_setup(summary), _config_status(summary)]
     parts += scenario_sections(summary, table)
     parts += rehearsal_sections(summary, table)
+    parts += sweep_sections(summary, table)
     for link in summary.link_rates:
         at_link = summary.at_link(link)
         prefix = "" if link is None else f"{rate(link)}, "
@@ -332,8 +338,14 @@ def _plots(summary: BenchSummary, image_dir: str) -> str:
     prefix = f"{image_dir.rstrip('/')}/" if image_dir else ""
     axis = AXIS_NAMES.get(plot_axis(summary), plot_axis(summary))
     files = plot_files(plot_axis(summary))
+    overhead = (
+        [f"![Handover overhead against {axis}]({prefix}{files['overhead']})"]
+        if "overhead" in files
+        else []
+    )
     return "\n\n".join([
         "## Plots",
+        *overhead,
         f"![TTFT p50 and p99 against {axis}]({prefix}{files['ttft']})",
         f"![TPOT p50 and p99 against {axis}]({prefix}{files['tpot']})",
         f"![TTFT CDF per point]({prefix}{files['cdf']})",

@@ -23,11 +23,14 @@ Table = Callable[[Sequence[str], Sequence[Sequence[str]]], str]
 
 
 def rehearsal_sections(summary: BenchSummary, table: Table) -> list[str]:
-    """Overhead, links and bandwidth sections (none off the rehearsal)."""
+    """Overhead, links and bandwidth sections (none off the rehearsal; the
+    overhead left out of a prompt-length sweep, which has its own)."""
     if not summary.is_rehearsal:
         return []
+    # a prompt-length sweep has its overhead per length (report_sweep)
+    by_length = summary.axis == "prompt_len"
     return [
-        overhead_section(summary, table),
+        "" if by_length else overhead_section(summary, table),
         links_section(summary, table),
         bandwidth_section(summary, table),
     ]
@@ -75,15 +78,24 @@ def overhead(
     return None if mine is None or base is None else mine - base
 
 
+def _pd_names(summary: BenchSummary) -> list[str]:
+    """The baselines and kvpush, then any other P/D configuration that ran
+    (``kvpush-early``, ``kvpush.chunk``, ...), in run order."""
+    ran = [c.name for c in summary.configs if c.status == "ok"]
+    others = [n for n in ran if n not in PD_CONFIGS and n != "colocated"]
+    return [*PD_CONFIGS, *dict.fromkeys(others)]
+
+
 def overhead_section(summary: BenchSummary, table: Table) -> str:
+    names = _pd_names(summary)
     header = ["link", "point", "colocated TTFT p50"]
-    header += [f"{n} overhead" for n in PD_CONFIGS]
+    header += [f"{n} overhead" for n in names]
     header += ["kvpush ÷ pull", "kvpush ÷ push"]
     rows = []
     for link, info in _points(summary):
         colocated = _p50(_find(summary, "colocated", link), info.index)
-        over = {n: overhead(summary, n, link, info.index) for n in PD_CONFIGS}
-        cells = [_num(over[n]) for n in PD_CONFIGS]
+        over = {n: overhead(summary, n, link, info.index) for n in names}
+        cells = [_num(over[n]) for n in names]
         rows.append([
             rate(link), info.label, _num(colocated), *cells,
             _ratio(over["kvpush"], over["vllm-pull"]),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import time
@@ -51,7 +52,7 @@ from kvpush.bench.bandwidth import (
 )
 from kvpush.bench.bindings import Counts, count_delta
 from kvpush.bench.clusters import Clusters, Run, share_runs
-from kvpush.bench.config import BenchConfig, cluster_of
+from kvpush.bench.config import BenchConfig
 from kvpush.bench.inputs import (
     describe_model,
     load_traces,
@@ -59,6 +60,10 @@ from kvpush.bench.inputs import (
     resolve_model,
 )
 from kvpush.bench.links import LinkUsage, link_usage, read_links
+from kvpush.bench.names import cluster_of, granularity_of
+from kvpush.bench.overlap import TransferTrace, read_transfers
+from kvpush.bench.overlap import in_window as transfers_in_window
+from kvpush.bench.overlap import summarize as summarize_overlap
 from kvpush.bench.records import (
     REQUESTS_FILE,
     RequestRecord,
@@ -85,6 +90,7 @@ from kvpush.bench.workload import (
     sweep_points,
 )
 from kvpush.bench.writes import DescriptorStats, read_write_sizes, summarize_writes
+from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher import ClusterConfig
 from kvpush.launcher.netns import LinkBytes, NetnsError
 from kvpush.launcher.state import RunState
@@ -175,9 +181,11 @@ def cluster_config(
     link_gbit: float | None = None,
 ) -> ClusterConfig:
     """The cluster of configuration ``name`` (at ``link_gbit`` on a
-    rehearsal): its mode, and for ``kvpush-<binding>`` its router's binding."""
+    rehearsal): its mode, for ``kvpush-<binding>`` its router's binding, for
+    ``kvpush.<granularity>`` prefill's push granularity."""
     mode, binding = cluster_of(name)
     is_pd = mode != "colocated"
+    granularity = granularity_of(name) or DEFAULT_PUSH_GRANULARITY
     return ClusterConfig(
         mode=mode,
         binding=binding,
@@ -195,6 +203,7 @@ def cluster_config(
         startup_timeout_s=config.startup_timeout_s,
         hosts=config.hosts,
         link_gbit=link_gbit,
+        push_granularity=granularity,
     )
 
 
@@ -298,16 +307,18 @@ class Traced:
 
     timelines: TimelineSet
     writes: list[TransferSample]
+    transfers: list[TransferTrace] = dataclasses.field(default_factory=list)
 
 
 def _traced(run: Run, console: Console) -> Traced:
     try:
         timelines = read_timelines(run.run_dir)
         writes = read_write_samples(run.run_dir) if timelines else []
+        transfers = read_transfers(run.run_dir) if timelines else []
     except (OSError, ValueError) as e:
         console.print(f"[bold yellow]{run.name}: server timelines ignored:[/] {e}")
         return Traced(TimelineSet(), [])
-    return Traced(timelines, writes)
+    return Traced(timelines, writes, transfers)
 
 
 @dataclass(frozen=True)
@@ -531,6 +542,10 @@ def _result(
             links=_links(plan, state, measured.meters, w, records),
             bandwidth=_bandwidth(run, state, measured.meters, w, records, traced),
             bindings=scenario.point_bindings(records),
+            overlap=summarize_overlap(
+                transfers_in_window(traced.transfers, wall_window(records)),
+                run.link_gbit,
+            ),
         ))  # fmt: skip
     return ConfigResult(
         name=run.name,

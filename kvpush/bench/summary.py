@@ -14,6 +14,7 @@ import msgspec
 from kvpush.bench.bandwidth import BandwidthStats
 from kvpush.bench.bindings import BindingMix
 from kvpush.bench.links import LinkUsage
+from kvpush.bench.overlap import OverlapStats
 from kvpush.bench.stats import Dist, PointStats
 from kvpush.bench.timeline import HandoverStats
 from kvpush.bench.writes import DescriptorStats
@@ -53,6 +54,7 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     links: LinkUsage | None = None  # --hosts netns: bytes over the links
     bandwidth: BandwidthStats | None = None  # per KV transfer
     bindings: BindingMix | None = None  # by the router's response headers
+    overlap: OverlapStats | None = None  # kvpush: transfer vs. last forward
 
 
 class BackgroundResult(msgspec.Struct, frozen=True, kw_only=True):
