@@ -116,7 +116,7 @@ def _setup(summary: BenchSummary) -> str:
         f"{m.get('os', '?')}; Python {m.get('python', '?')}",
         "- **Versions:** " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"- **Model:** {s.get('model_description', s.get('model'))}, dtype "
-        f"{s.get('dtype')}, max_model_len {s.get('max_model_len')}",
+        f"{s.get('dtype')}, max_model_len {s.get('max_model_len')}" + _chunk_note(s),
         f"- **Clusters:** colocated = 1 instance; P/D = {s.get('num_prefill')} "
         f"prefill + {s.get('num_decode')} decode; one core per instance, the "
         "kvpush router in front of each",
@@ -124,6 +124,21 @@ def _setup(summary: BenchSummary) -> str:
     ]
     hosts = hosts_line(summary)
     return "\n".join([*lines, hosts] if hosts else lines)
+
+
+def _chunk_note(s: dict[str, object]) -> str:
+    """The prefill chunk and KV space, where the run set them."""
+    notes = []
+    if s.get("max_num_batched_tokens"):
+        notes.append(
+            f"max_num_batched_tokens {s['max_num_batched_tokens']} (the prefill chunk)"
+        )
+    if s.get("model_preset"):
+        notes.append(
+            f"model preset {s['model_preset']}, KV space "
+            f"{s.get('kv_cache_space_gb')} GB per instance"
+        )
+    return "".join(f"; {n}" for n in notes)
 
 
 def _workload_line(s: dict[str, object]) -> str:
@@ -134,9 +149,15 @@ def _workload_line(s: dict[str, object]) -> str:
         "Poisson arrivals" if s.get("arrival") == "poisson" else "fixed concurrency"
     )
     prefix = s.get("shared_prefix_fraction") or 0
+    swept = s.get("prompt_len_sweep")
+    prompts = (
+        f"{', '.join(str(n) for n in swept)} tokens, one point each"
+        if isinstance(swept, list) and swept
+        else f"{s.get('prompt_len')} tokens"
+    )
     return (
         f"{s.get('num_requests')} requests per point, {arrival}; prompt lengths "
-        f"{s.get('prompt_len')} tokens (random token ids, exact), output lengths "
+        f"{prompts} (random token ids, exact), output lengths "
         f"{s.get('output_len')} tokens (ignore_eos); shared prefix {prefix}; seed "
         f"{s.get('seed')}; {s.get('num_warmup')} warm-up requests per "
         "configuration, excluded from the results"

@@ -305,3 +305,15 @@ def test_the_overhead_plot_is_drawn_and_linked(tmp_path: Path) -> None:
     assert (tmp_path / "overhead_vs_prompt_len.png").stat().st_size > 1000
     report = (tmp_path / "report.md").read_text()
     assert "](overhead_vs_prompt_len.png)" in report
+
+
+def test_the_setup_names_the_swept_lengths_and_the_chunk() -> None:
+    s = sweep_summary()
+    s.settings.update(
+        prompt_len="1000", prompt_len_sweep=list(LENGTHS), num_requests=4,
+        model_preset="kv-heavy", kv_cache_space_gb=4,
+    )  # fmt: skip
+    text = render_report(s)
+    assert "prompt lengths 1000, 4000, 7000 tokens, one point each" in text
+    assert "max_num_batched_tokens 256 (the prefill chunk)" in text
+    assert "model preset kv-heavy, KV space 4 GB per instance" in text
