@@ -16,7 +16,11 @@ Events are those of :data:`kvpush.transfer.timeline.EVENTS` (``reg_sent``,
 ``notif_received``, ``first_decode_step``), timestamps in seconds since the
 epoch (``time.time()``, one host clock). Lines are grouped by
 ``transfer_id`` (or ``request_id`` when there is none); other keys are
-ignored, and an event seen twice keeps its earliest time.
+ignored, and an event seen twice keeps its earliest time, except
+``write_posted``: a streamed transfer (push granularity ``chunk`` or
+``layer``) posts a WRITE per item, and the phases time its last one, as
+:mod:`kvpush.transfer.timeline` defines the event (so "write setup" may be
+below zero where the last WRITE went out before ``kv_ready``: per layer).
 
 **Joining with the client's requests.** A group belongs to a benchmark
 request when its id, or a ``request_id`` on any of its lines, contains the
@@ -46,6 +50,7 @@ from kvpush.transfer.timeline import EVENTS
 
 TRACE_DIR = "traces"
 MATCHED = "matched"  # derived: both the KV and the registration are there
+LATEST = ("write_posted",)  # events whose last mark counts (one per WRITE)
 
 # (phase, from event, to event), in the order they happen. The handover runs
 # from kv_ready to first_decode_step; "registration" overlaps prefill.
@@ -108,7 +113,8 @@ def collect(lines: Iterable[tuple[str, list[str], Timeline]]) -> TimelineSet:
     for key, ids, events in lines:
         group = groups.setdefault(key, {})
         for name, t in events.items():
-            group[name] = min(t, group.get(name, t))
+            keep = max if name in LATEST else min
+            group[name] = keep(t, group.get(name, t))
         for text in ids:
             if (bench_id := bench_id_of(text)) is not None:
                 names[key] = bench_id

@@ -317,3 +317,13 @@ def test_the_setup_names_the_swept_lengths_and_the_chunk() -> None:
     assert "prompt lengths 1000, 4000, 7000 tokens, one point each" in text
     assert "max_num_batched_tokens 256 (the prefill chunk)" in text
     assert "model preset kv-heavy, KV space 4 GB per instance" in text
+
+
+def test_a_streamed_transfers_phases_time_its_last_write() -> None:
+    from kvpush.bench.timeline import collect as collect_timelines
+    from kvpush.bench.timeline import parse_line
+
+    timelines = collect_timelines(parse_line(x) for x in streamed())
+    (timeline,) = timelines.unjoined
+    assert timeline["write_posted"] == pytest.approx(103.01)  # the last post
+    assert timeline["kv_ready"] == pytest.approx(103.0)
