@@ -202,19 +202,27 @@ async def _late_flow(
     )
     bound = ctx.routing.bind_late(ctx, plan, prefill)
     ctx.take(bound.decode)
-    leg = DecodeLeg(
-        transfer_id=transfer_id,
-        prefill_engine_id=prefill.engine_id,
-        prefill_host=prefill.side_channel_host,
-        prefill_port=prefill.side_channel_port,
-        claim_token=token,
-    )
+    leg = _decode_leg(transfer_id, prefill, claim_token=token)
     decode = bound.decode
     response, first = await open_first(
         ctx, "decode", decode, ctx.parsed.decode_body(leg)
     )
     out = await relay(ctx, "decode", decode, response, first)
     return out, bound
+
+
+def _decode_leg(
+    transfer_id: str, prefill: Backend, claim_token: str | None = None
+) -> DecodeLeg:
+    """Decode's leg of a kvpush transfer: the prefill engine and side channel
+    it registers with (and, bound late, the token that claims the KV)."""
+    return DecodeLeg(
+        transfer_id=transfer_id,
+        prefill_engine_id=prefill.engine_id,
+        prefill_host=prefill.side_channel_host,
+        prefill_port=prefill.side_channel_port,
+        claim_token=claim_token,
+    )
 
 
 async def _early_flow(
@@ -235,12 +243,7 @@ async def _early_flow(
     def params(prefill: Backend, decode: Backend) -> tuple[Any, Any]:
         return (
             PrefillLeg(transfer_id=transfer_id, decode_engine_id=decode.engine_id),
-            DecodeLeg(
-                transfer_id=transfer_id,
-                prefill_engine_id=prefill.engine_id,
-                prefill_host=prefill.side_channel_host,
-                prefill_port=prefill.side_channel_port,
-            ),
+            _decode_leg(transfer_id, prefill),
         )
 
     return await _concurrent_flow(ctx, params, prefill, decode)
