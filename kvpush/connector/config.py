@@ -7,7 +7,7 @@ The launcher sets these through ``kv_connector_extra_config``::
      # optional, defaults below:
      "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
      "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false,
-     "push_granularity": "request", "layer_push_min_bytes": 2097152}
+     "push_granularity": "auto", "layer_push_min_bytes": 2097152}
 
 ``push_granularity`` (prefill): ``request`` pushes a prompt's KV once its
 last chunk is computed; ``chunk`` streams it, each prefill chunk's
@@ -58,7 +58,7 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 NIXL_BACKENDS: tuple[str, ...] = ("UCX", "LIBFABRIC")
 _DURATIONS = ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s")
 PUSH_GRANULARITIES: tuple[str, ...] = ("auto", "request", "chunk", "layer")
-DEFAULT_PUSH_GRANULARITY = "request"
+DEFAULT_PUSH_GRANULARITY = "auto"
 PER_LAYER_GRANULARITIES: tuple[str, ...] = ("auto", "layer")  # may push per layer
 DEFAULT_LAYER_PUSH_MIN_BYTES = 2 * 1024 * 1024  # see the module docstring
 

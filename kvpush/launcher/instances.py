@@ -16,10 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.connector.config import (
-    DEFAULT_PUSH_GRANULARITY,
-    PER_LAYER_GRANULARITIES,
-)
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
 from kvpush.launcher.netns import NetPlan
 from kvpush.side_channel_auth import SECRET_ENV
@@ -158,14 +154,12 @@ def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any
         extra["fault_file"] = str(spec.run_dir / FAULT_FILE)
     if config.insecure_side_channel:
         extra["insecure_side_channel"] = True
-    if spec.role == "prefill":
-        if config.push_granularity != DEFAULT_PUSH_GRANULARITY:
-            extra["push_granularity"] = config.push_granularity
-    elif DEFAULT_PUSH_GRANULARITY in PER_LAYER_GRANULARITIES:
-        # Decode pushes nothing; a per-layer granularity in its config would
-        # make vLLM run its CUDA graphs PIECEWISE for nothing
-        # (requires_piecewise_for_cudagraph sees this dict, not the role).
-        extra["push_granularity"] = "request"
+    # Decode pushes nothing; a per-layer granularity (the default, auto) in
+    # its config would make vLLM run its CUDA graphs PIECEWISE for nothing
+    # (requires_piecewise_for_cudagraph sees this dict, not the role).
+    extra["push_granularity"] = (
+        config.push_granularity if spec.role == "prefill" else "request"
+    )
     return extra
 
 

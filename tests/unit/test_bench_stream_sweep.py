@@ -34,6 +34,7 @@ from kvpush.bench.summary import (
     PointResult,
     save_summary,
 )
+from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 
 # -- configuration names ------------------------------------------------------
 
@@ -45,7 +46,7 @@ from kvpush.bench.summary import (
         ("kvpush.chunk", "chunk", None),
         ("kvpush.layer", "layer", None),
         ("kvpush.auto", "auto", None),  # the granularity, not the binding
-        ("kvpush-auto", "request", "auto"),  # the binding; the default push
+        ("kvpush-late", DEFAULT_PUSH_GRANULARITY, "late"),  # a binding: default push
     ],
 )
 def test_a_dotted_name_sets_prefills_push_granularity(
@@ -64,7 +65,9 @@ def test_baselines_keep_the_launchers_default_granularity() -> None:
     assert granularity_of("kvpush") is None
     assert cluster_of("kvpush.chunk") == ("kvpush", None)
     made = cluster_config(BenchConfig(), "vllm-pull", Path("/m"), Path("/r"))
-    assert made.mode == "vllm-pull" and made.push_granularity == "request"
+    assert (
+        made.mode == "vllm-pull" and made.push_granularity == DEFAULT_PUSH_GRANULARITY
+    )
 
 
 def test_a_granularity_written_as_a_binding_is_refused_with_the_right_name() -> None:

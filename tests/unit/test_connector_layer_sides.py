@@ -195,7 +195,7 @@ def test_layer_push_min_bytes_is_read_from_the_extra_config_and_checked():
 @pytest.mark.parametrize(
     ("extra", "piecewise"),
     [
-        ({}, False),  # the default, request
+        ({}, True),  # the default, auto
         ({"push_granularity": "request"}, False),
         ({"push_granularity": "chunk"}, False),
         ({"push_granularity": "layer"}, True),
@@ -211,7 +211,9 @@ def test_the_piecewise_need_is_logged_once_at_start_up(caplog):
 
     with caplog.at_level("WARNING", logger="kvpush.connector.connector"):
         _log_cudagraph_needs(replace(make_config("prefill"), push_granularity="auto"))
-        _log_cudagraph_needs(make_config("prefill"))  # request: nothing to say
+        _log_cudagraph_needs(
+            replace(make_config("prefill"), push_granularity="request")
+        )  # nothing to say
     (record,) = caplog.records
     assert "PIECEWISE" in record.getMessage() and "'auto'" in record.getMessage()
 

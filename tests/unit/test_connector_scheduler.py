@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,8 @@ def decode() -> Iterator[tuple[DecodeScheduler, FakePeers]]:
 
 @pytest.fixture
 def prefill() -> Iterator[PrefillScheduler]:
-    sched = PrefillScheduler(config_for("prefill"))
+    # whole-request pushes (the default, auto, streams: see the stream tests)
+    sched = PrefillScheduler(replace(config_for("prefill"), push_granularity="request"))
     yield sched
     sched.close()
 

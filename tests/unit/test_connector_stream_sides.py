@@ -19,7 +19,6 @@ from dataclasses import replace
 
 import pytest
 
-from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import PreemptedPush, PrefillMetadata, PushTrigger
 from kvpush.connector.prefill.scheduler import PrefillScheduler
 from kvpush.connector.prefill.worker import PrefillWorker
@@ -144,7 +143,8 @@ def test_request_granularity_triggers_once_with_every_block(prefill):
 
 @pytest.fixture
 def prefill() -> Iterator[PrefillScheduler]:
-    sched = PrefillScheduler(config_for("prefill"))
+    # whole-request pushes (the default, auto, streams: see the stream tests)
+    sched = PrefillScheduler(replace(config_for("prefill"), push_granularity="request"))
     yield sched
     sched.close()
 
@@ -187,5 +187,8 @@ def test_push_granularity_refuses_what_kvpush_cannot_do(name):
         replace(config_for("prefill"), push_granularity=name)
 
 
-def test_the_default_push_granularity_is_request():
-    assert ConnectorConfig.push_granularity == "request"
+def test_the_default_push_granularity_is_auto():
+    # streaming is the default: per layer where a chunk is large, else per chunk
+    config = config_for("prefill")
+    assert config.push_granularity == "auto" and config.streams
+    assert config.may_push_per_layer

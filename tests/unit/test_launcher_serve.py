@@ -91,6 +91,8 @@ def test_exact_argv_and_env_per_role_and_mode(
             "side_channel_port": 5700,
             "nixl_backend": "UCX",
             "insecure_side_channel": True,
+            # prefill streams by default; decode pushes nothing
+            "push_granularity": "auto" if role == "prefill" else "request",
         }
     assert cmd == [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
