@@ -21,6 +21,13 @@ from kvpush.bench.names import (
     cluster_of,
     unknown_names_message,
 )
+from kvpush.bench.workloads import (
+    BACKGROUND_WORKLOADS,
+    SHARED_CLUSTER_WORKLOADS,
+    WORKLOADS,
+    check_workload,
+    workload_defaults,
+)
 from kvpush.model.presets import PRESETS as MODEL_PRESETS
 from kvpush.model.presets import preset as model_preset_of
 from kvpush.router.binding import check_policy
@@ -31,10 +38,10 @@ HOSTS = ("local", "netns")  # as kvpush up --hosts
 MAX_LINK_GBIT = 100.0  # as kvpush up --link-gbit
 MAX_REPEAT = 20  # rounds
 DEFAULT_CONFIGS = ("colocated", "vllm-pull", "vllm-push", "kvpush")
-__all__ = ["BINDING_CONFIGS", "CONFIG_NAMES", "GRANULARITY_CONFIGS", "cluster_of"]
-# sweep: the load sweep; skewed: the same with one decode kept busy by long
-# plain requests; multi-turn: conversations whose turns extend each other
-WORKLOADS = ("sweep", "skewed", "multi-turn")
+__all__ = [
+    "BINDING_CONFIGS", "CONFIG_NAMES", "GRANULARITY_CONFIGS", "WORKLOADS",
+    "cluster_of",
+]  # fmt: skip
 
 # Presets are partial configs applied before the file and the flags.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -123,6 +130,14 @@ class BenchConfig:
     turn_len: int = 130
     share_kvpush_cluster: bool | None = None
     repeat: int = 1
+    block_size: int | None = None
+    churn_requests: int = 64
+    churn_concurrency: int = 8
+    churn_prompt_len: str = "64-2048"
+    churn_output_len: str = "2-64"
+    churn_abort_fraction: float = 0.33
+    slo_ttft_ms: float = 250.0
+    slo_tpot_ms: float = 20.0
 
     def __post_init__(self) -> None:
         self._check_configs()
@@ -218,11 +233,8 @@ class BenchConfig:
                     raise ValueError(f"configuration {name}: {e}") from e
 
     def _check_workload(self) -> None:
-        require(
-            self.workload in WORKLOADS,
-            f"workload must be one of {', '.join(WORKLOADS)}, not {self.workload!r}",
-        )
-        if self.workload == "skewed":
+        check_workload(self)
+        if self.workload in BACKGROUND_WORKLOADS:
             self._check_background()
         if self.workload == "multi-turn":
             self._check_conversations()
@@ -241,7 +253,7 @@ class BenchConfig:
         """Whether the kvpush configurations share one cluster, each through
         a router of its own (None: for the skewed and multi-turn workloads)."""
         if self.share_kvpush_cluster is None:
-            return self.workload != "sweep"
+            return self.workload in SHARED_CLUSTER_WORKLOADS
         return self.share_kvpush_cluster
 
     def _check_router_ports(self) -> None:
@@ -258,7 +270,7 @@ class BenchConfig:
 
     def _check_background(self) -> None:
         require(
-            self.num_decode >= 2,
+            self.workload != "skewed" or self.num_decode >= 2,
             "the skewed workload keeps one decode busy and needs another: "
             "give --decode 2 or more",
         )
@@ -377,7 +389,10 @@ _TUPLES = {
     "prompt_len_sweep": int,
     "link_gbit": float,
 }
-_STRINGS = ("prompt_len", "output_len", "hosts", "workload", "model_preset")
+_STRINGS = (
+    "prompt_len", "output_len", "hosts", "workload", "model_preset",
+    "churn_prompt_len", "churn_output_len",
+)  # fmt: skip
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -397,6 +412,7 @@ def make_config(*layers: dict[str, Any]) -> BenchConfig:
                 f"unknown bench settings {unknown}; known: {sorted(FIELD_NAMES)}"
             )
         values.update(layer)
+    values.update(workload_defaults(values))
     if values.get("model_preset") is not None:
         chosen = model_preset_of(str(values["model_preset"]))
         values.setdefault("max_model_len", chosen.max_model_len)
