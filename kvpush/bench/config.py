@@ -22,7 +22,6 @@ from kvpush.bench.names import (
     unknown_names_message,
 )
 from kvpush.bench.workloads import (
-    BACKGROUND_WORKLOADS,
     SHARED_CLUSTER_WORKLOADS,
     WORKLOADS,
     check_workload,
@@ -234,10 +233,6 @@ class BenchConfig:
 
     def _check_workload(self) -> None:
         check_workload(self)
-        if self.workload in BACKGROUND_WORKLOADS:
-            self._check_background()
-        if self.workload == "multi-turn":
-            self._check_conversations()
         if self.shares_kvpush_cluster:
             self._check_router_ports()
             streamed = [c for c in self.configs if c in GRANULARITY_CONFIGS]
@@ -267,44 +262,6 @@ class BenchConfig:
                 f"the extra routers' ports {self.port + 1}.. collide with "
                 f"{name}'s range; move --port or --{name.replace('_', '-')}",
             )
-
-    def _check_background(self) -> None:
-        require(
-            self.workload != "skewed" or self.num_decode >= 2,
-            "the skewed workload keeps one decode busy and needs another: "
-            "give --decode 2 or more",
-        )
-        require(
-            0 <= self.background_decode < self.num_decode,
-            f"background_decode must name a decode, 0..{self.num_decode - 1}",
-        )
-        for name in ("background_concurrency", "background_prompt_len"):
-            require(getattr(self, name) >= 1, f"{name} must be at least 1")
-        require(self.background_output_len >= 2, "background_output_len must be >= 2")
-        require(
-            self.background_prompt_len + self.background_output_len
-            <= self.max_model_len,
-            "background_prompt_len + background_output_len exceed max_model_len",
-        )
-
-    def _check_conversations(self) -> None:
-        for name in ("num_conversations", "conversation_concurrency", "history_len"):
-            require(getattr(self, name) >= 1, f"{name} must be at least 1")
-        require(self.num_turns >= 2, "num_turns must be at least 2 (turn 2+)")
-        require(self.turn_len >= 1, "turn_len must be at least 1")
-        require(
-            self.output_spec.max_value is not None,
-            "the multi-turn workload needs output_len N or A-B, not a trace",
-        )
-        longest_answer = self.output_spec.max_value or 0
-        turns = self.num_turns - 1
-        longest = self.history_len + turns * (longest_answer + self.turn_len)
-        require(
-            longest + longest_answer <= self.max_model_len,
-            f"the last turn's prompt ({longest} tokens) + output exceed "
-            f"max_model_len {self.max_model_len}; lower history_len, turn_len "
-            "or num_turns, or raise max_model_len",
-        )
 
     def _check_load(self) -> None:
         require(

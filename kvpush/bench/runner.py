@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -35,11 +34,9 @@ from kvpush.bench import background, client, conversation, loadgen, rounds, scen
 from kvpush.bench.bandwidth import (
     TRANSFER_KIND,
     BandwidthStats,
-    TransferSample,
     from_nixl,
     from_samples,
     in_window,
-    read_write_samples,
 )
 from kvpush.bench.bindings import Counts, count_delta
 from kvpush.bench.churn import CHURN_FILE
@@ -47,10 +44,8 @@ from kvpush.bench.clusters import Clusters, Run, share_runs
 from kvpush.bench.config import BenchConfig
 from kvpush.bench.fragment import (
     FragmentPoint,
-    TracedWrite,
     churn_result,
     fragment_point,
-    read_traced_writes,
 )
 from kvpush.bench.goodput import Goodput, Slo, goodput
 from kvpush.bench.inputs import (
@@ -62,7 +57,6 @@ from kvpush.bench.inputs import (
 from kvpush.bench.links import LinkUsage, link_usage
 from kvpush.bench.meters import Meters, read_meters
 from kvpush.bench.names import cluster_of, granularity_of
-from kvpush.bench.overlap import TransferTrace, read_transfers
 from kvpush.bench.overlap import in_window as transfers_in_window
 from kvpush.bench.overlap import summarize as summarize_overlap
 from kvpush.bench.progress import advance, make_progress
@@ -83,7 +77,8 @@ from kvpush.bench.summary import (
     WarmupResult,
     save_summary,
 )
-from kvpush.bench.timeline import TimelineSet, read_timelines, summarize_handover
+from kvpush.bench.timeline import summarize_handover
+from kvpush.bench.traced import Traced, descriptor_stats, read_traced
 from kvpush.bench.workload import (
     PointWorkload,
     build_point,
@@ -92,7 +87,6 @@ from kvpush.bench.workload import (
     sweep_points,
 )
 from kvpush.bench.workloads import BACKGROUND_WORKLOADS
-from kvpush.bench.writes import DescriptorStats, read_write_sizes, summarize_writes
 from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher import ClusterConfig
 from kvpush.launcher.state import RunState
@@ -309,12 +303,12 @@ def _run_config(
         with console.status(f"stopping {label}"):
             clusters.stop(run)
     if run.is_shared:  # its traces mix every run on the cluster: left out
-        return _result(plan, run, state, measured, monitor, Traced(TimelineSet(), []))
+        return _result(plan, run, state, measured, monitor, Traced())
     # Timelines are read once the cluster has stopped: a server may flush
     # them on the way out.
-    traced = _traced(run, console)
+    traced = read_traced(run.run_dir, run.name, console)
     result = _result(plan, run, state, measured, monitor, traced)
-    writes = _descriptor_stats(run.run_dir, Path(state.model), console)
+    writes = descriptor_stats(run.run_dir, Path(state.model), console)
     return msgspec.structs.replace(result, descriptors=writes)
 
 
@@ -323,42 +317,6 @@ def _label(run: Run) -> str:
         run.name if run.link_gbit is None else f"{run.name} @{run.link_gbit:g} Gbit/s"
     )
     return label if run.round is None else f"{label}, round {run.round}"
-
-
-def _descriptor_stats(
-    run_dir: Path, model_dir: Path, console: Console
-) -> DescriptorStats | None:
-    """Descriptor counts of the WRITEs the configuration traced, if any."""
-    try:
-        num_layers = int(
-            json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-        )
-        return summarize_writes(read_write_sizes(run_dir), num_layers)
-    except (OSError, ValueError, KeyError) as e:
-        console.print(f"[bold yellow]write sizes ignored:[/] {e}")
-        return None
-
-
-@dataclass(frozen=True)
-class Traced:
-    """What a configuration's servers traced: timelines and WRITE times."""
-
-    timelines: TimelineSet
-    writes: list[TransferSample]
-    transfers: list[TransferTrace] = dataclasses.field(default_factory=list)
-    kvpush_writes: list[TracedWrite] = dataclasses.field(default_factory=list)
-
-
-def _traced(run: Run, console: Console) -> Traced:
-    try:
-        timelines = read_timelines(run.run_dir)
-        writes = read_write_samples(run.run_dir) if timelines else []
-        transfers = read_transfers(run.run_dir) if timelines else []
-        kvpush_writes = read_traced_writes(run.run_dir) if timelines else []
-    except (OSError, ValueError, KeyError) as e:
-        console.print(f"[bold yellow]{run.name}: server timelines ignored:[/] {e}")
-        return Traced(TimelineSet(), [])
-    return Traced(timelines, writes, transfers, kvpush_writes)
 
 
 # Takes a resource mark and meter readings; returns the mark's index.

@@ -78,10 +78,54 @@ def check_workload(c: BenchConfig) -> None:
         c.block_size is None or c.block_size >= 1,
         "block_size must be >= 1 (the CPU backend: a multiple of 32), or unset",
     )
+    if c.workload in BACKGROUND_WORKLOADS:
+        check_background(c)
+    if c.workload == "multi-turn":
+        check_conversations(c)
     if c.workload == "fragmented":
         check_churn(c)
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         _require(getattr(c, name) > 0, f"{name} must be positive")
+
+
+def check_background(c: BenchConfig) -> None:
+    """The plain requests kept in flight on one decode."""
+    _require(
+        c.workload != "skewed" or c.num_decode >= 2,
+        "the skewed workload keeps one decode busy and needs another: "
+        "give --decode 2 or more",
+    )
+    _require(
+        0 <= c.background_decode < c.num_decode,
+        f"background_decode must name a decode, 0..{c.num_decode - 1}",
+    )
+    for name in ("background_concurrency", "background_prompt_len"):
+        _require(getattr(c, name) >= 1, f"{name} must be at least 1")
+    _require(c.background_output_len >= 2, "background_output_len must be >= 2")
+    _require(
+        c.background_prompt_len + c.background_output_len <= c.max_model_len,
+        "background_prompt_len + background_output_len exceed max_model_len",
+    )
+
+
+def check_conversations(c: BenchConfig) -> None:
+    """The multi-turn workload's conversations fit the model length."""
+    for name in ("num_conversations", "conversation_concurrency", "history_len"):
+        _require(getattr(c, name) >= 1, f"{name} must be at least 1")
+    _require(c.num_turns >= 2, "num_turns must be at least 2 (turn 2+)")
+    _require(c.turn_len >= 1, "turn_len must be at least 1")
+    _require(
+        c.output_spec.max_value is not None,
+        "the multi-turn workload needs output_len N or A-B, not a trace",
+    )
+    longest_answer = c.output_spec.max_value or 0
+    longest = c.history_len + (c.num_turns - 1) * (longest_answer + c.turn_len)
+    _require(
+        longest + longest_answer <= c.max_model_len,
+        f"the last turn's prompt ({longest} tokens) + output exceed "
+        f"max_model_len {c.max_model_len}; lower history_len, turn_len "
+        "or num_turns, or raise max_model_len",
+    )
 
 
 def check_churn(c: BenchConfig) -> None:
