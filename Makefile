@@ -12,7 +12,8 @@ venv: $(VENV)
 demo: $(VENV)
 	$(PY) -m kvpush.demo
 
-# Reproduces BENCHMARKS.md and docs/bench/*.png (about 7 minutes).
+# Reproduces BENCHMARKS.md and docs/bench/*.png: 3 interleaved rounds of the
+# four configurations, each round on fresh clusters (about 21 minutes).
 bench: $(VENV)
 	$(PY) -m kvpush bench --publish
 
