@@ -229,6 +229,12 @@ def _add_up(sub: Any) -> None:
     p.add_argument(
         "--decode", dest="num_decode", type=int, help="decode instances (default 1)"
     )
+    for role in ("prefill", "decode", "colocated"):
+        p.add_argument(
+            f"--{role}-tp",
+            type=int,
+            help=f"tensor-parallel ranks of each {role} instance (default 1)",
+        )
     p.add_argument("--port", type=int, help="router port (default 8000)")
     p.add_argument(
         "--base-http-port", type=int, help="first instance HTTP port (default 8100)"
@@ -236,7 +242,8 @@ def _add_up(sub: Any) -> None:
     p.add_argument(
         "--base-side-channel-port",
         type=int,
-        help="first NIXL side-channel port (default 5600)",
+        help="first NIXL side-channel port (default 5600); instance i owns "
+        "the next TP ports from base + i * (the cluster's largest TP)",
     )
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument(
@@ -291,7 +298,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
     "base_side_channel_port", "startup_timeout_s", "hosts", "link_gbit",
-    "binding", *INSTANCE_KEYS,
+    "binding", "prefill_tp", "decode_tp", "colocated_tp", *INSTANCE_KEYS,
 )  # fmt: skip
 
 

@@ -76,9 +76,9 @@ def add_instance_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--push-granularity",
         choices=PUSH_GRANULARITIES,
-        help="kvpush: push each prompt whole (request, default), per prefill "
-        "chunk (chunk), per chunk and layer (layer), or auto (per layer where "
-        "a chunk's KV per layer reaches layer_push_min_bytes, else per chunk)",
+        help="kvpush: auto (default: per layer where a chunk's KV per layer "
+        "reaches layer_push_min_bytes, else per chunk), push each prompt whole "
+        "(request), per prefill chunk (chunk) or per chunk and layer (layer)",
     )
     p.add_argument(
         "--ucx-net-devices",
@@ -126,6 +126,15 @@ def add_serve_parser(sub: Any) -> None:
         "--side-channel-port", type=int, help="side-channel port (default 5600)"
     )
     p.add_argument("--core", type=int, help="pin the instance to this CPU")
+    p.add_argument(
+        "--cores",
+        type=core_list,
+        help="comma-separated CPUs its TP ranks are bound to, rank r to the "
+        "r-th (wrapping around when there are fewer CPUs than ranks)",
+    )
+    p.add_argument(
+        "--tp", type=int, help="tensor-parallel size: worker ranks (default 1)"
+    )
     add_instance_options(p)
     p.add_argument(
         "--print-command",
@@ -136,7 +145,19 @@ def add_serve_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-_SERVE_ONLY = ("role", "mode", "name", "port", "side_channel_port", "core")
+_SERVE_ONLY = (
+    "role", "mode", "name", "port", "side_channel_port", "core", "cores", "tp",
+)  # fmt: skip
+
+
+def core_list(text: str) -> tuple[int, ...]:
+    """``--cores 0,1`` as CPU numbers."""
+    try:
+        return tuple(int(c) for c in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"--cores takes CPU numbers separated by commas, not {text!r}"
+        ) from e
 
 
 def serve_config(args: argparse.Namespace) -> Any:
@@ -160,6 +181,8 @@ def serve_config(args: argparse.Namespace) -> Any:
     for key in ("run_dir", "side_channel_secret_file"):
         if values.get(key) is not None:
             values[key] = Path(values[key]).expanduser()
+    if "cores" in values:
+        values["cores"] = tuple(values["cores"])
     if values.get("model") is not None:
         values["model"] = str(values["model"])
     try:
@@ -170,11 +193,13 @@ def serve_config(args: argparse.Namespace) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvpush.launcher.cluster import read_secret, tiny_model
+    from kvpush.launcher.instances import check_tp_fits_model
     from kvpush.launcher.serve import model_path, print_command, serve
 
     config = serve_config(args)
     config.check_startable()
     model = model_path(config, tiny_model)
+    check_tp_fits_model(model, {config.engine_id: config.tp})
     if args.print_command:
         print(print_command(config, model))
         return 0

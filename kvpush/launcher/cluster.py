@@ -24,6 +24,7 @@ from kvpush.launcher import netns, process
 from kvpush.launcher.config import ClusterConfig, InstanceSettings, check_secret
 from kvpush.launcher.instances import (
     InstanceSpec,
+    check_tp_fits_model,
     instance_command,
     instance_env,
     instance_names,
@@ -63,6 +64,7 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     secret = cluster_secret(config, run_dir)
     model = _resolve_model(config, console)
     specs = plan_instances(config, run_dir, network)
+    check_tp_fits_model(model, {s.name: s.tp for s in specs})
     _check_ports_free(config, [] if network else specs)
     run_dir.mkdir(parents=True, exist_ok=True)
     topology = Topology(mode=config.mode, backends=tuple(s.backend() for s in specs))  # type: ignore[arg-type]
@@ -152,7 +154,8 @@ def _start_all(
                 url=spec.url,
                 log_path=str(spec.log_path),
                 side_channel_port=spec.side_channel_port,
-                core=spec.core,
+                cores=spec.cores,
+                tp=spec.tp,
                 host=host.namespace if host else None,
             )
         )
@@ -184,15 +187,15 @@ def _spawn_instance(
     secret: str | None,
     host: netns.HostNet | None,
 ) -> int:
-    """Start one instance, pinned to its core (on its rehearsal ``host``
-    when there is one); its process-group id."""
+    """Start one instance, pinned to its ranks' cores (on its rehearsal
+    ``host`` when there is one); its process-group id."""
     cmd = instance_command(config, spec, model)
     if host is not None:
         cmd = netns.exec_prefix(host) + cmd
-    # The whole instance, not just its OMP threads.
-    cpus = frozenset({spec.core}) if spec.core is not None else frozenset()
+    # The whole instance (API server, EngineCore, every rank's worker), not
+    # just its OMP threads, which vLLM binds rank by rank.
     env = instance_env(config, spec, secret)
-    return process.spawn(cmd, env, spec.log_path, cpus)
+    return process.spawn(cmd, env, spec.log_path, spec.cpus)
 
 
 def read_secret(settings: InstanceSettings) -> str | None:
@@ -314,13 +317,10 @@ def tiny_model(console: Console | None = None) -> Path:
 def _check_ports_free(config: ClusterConfig, specs: list[InstanceSpec]) -> None:
     ports = [("router", config.host, config.port)]
     for s in specs:
+        ports.append((f"{s.name} HTTP", s.addresses.bind_host, s.http_port))
         ports += [
-            (f"{s.name} HTTP", s.addresses.bind_host, s.http_port),
-            (
-                f"{s.name} side channel",
-                s.addresses.side_channel_bind_host,
-                s.side_channel_port,
-            ),
+            (f"{s.name} side channel", s.addresses.side_channel_bind_host, port)
+            for port in s.side_channel_ports
         ]
     for what, host, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -376,7 +376,8 @@ def status(run_dir: Path) -> dict[str, object] | None:
                 "role": p.role,
                 "url": p.url,
                 "side_channel_port": p.side_channel_port,
-                "core": p.core,
+                "tp": p.tp,
+                "cores": list(p.cores),
                 "host": p.host or "local",
                 "pid": p.pid,
                 "alive": process.is_alive(p.pid),

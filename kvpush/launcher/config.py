@@ -27,6 +27,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 HOSTS = ("local", "netns")
 FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
+MAX_TP = 64  # tensor-parallel ranks of one instance
+# vLLM options the launcher sets itself from its TP settings.
+_TP_FLAGS = ("--tensor-parallel-size", "-tp")
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,32 @@ class ClusterConfig:
 
     ``model`` None means the tiny model under ``$KVPUSH_HOME`` (made on first
     use). Instance ``i`` (prefills first, then decodes) listens for HTTP on
-    ``base_http_port + i`` and for NIXL's side channel on
-    ``base_side_channel_port + i``; it is pinned to ``cores[i % len(cores)]``
-    (all cores this process may use when ``cores`` is empty).
+    ``base_http_port + i``.
+
+    Tensor parallelism: every prefill runs ``prefill_tp`` ranks, every decode
+    ``decode_tp``, the colocated instance ``colocated_tp`` (``--prefill-tp``
+    and ``--decode-tp`` are for P/D modes, ``--colocated-tp`` for colocated
+    mode; each must be 1 where it does not apply). vLLM gets
+    ``--tensor-parallel-size``, one worker process per rank.
+
+    Side-channel ports: every rank is a transfer endpoint, so instance ``i``
+    owns the range ``[base_side_channel_port + i * stride, ... + its TP)``
+    with ``stride`` = :attr:`side_channel_stride`, the largest TP of the
+    cluster; rank ``r`` of instance ``i`` may listen on ``its base + r``.
+    No two instances' ranges overlap, and with TP 1 everywhere instance ``i``
+    gets ``base_side_channel_port + i`` as before. (vLLM's own NIXL
+    connectors listen on the instance's base port only, one listener per
+    engine answering for every rank.)
+
+    Cores (``cores``; empty: all cores this process may use): while there
+    are at least as many cores as instances, instances never share a core:
+    each gets a contiguous share (one core each, spare cores to the instance
+    with the most ranks per core until every rank has its own), and rank
+    ``r`` of an instance is bound to ``share[r % len(share)]`` -- its own core
+    where the share allows, else sharing with its instance's other ranks.
+    With fewer cores than instances instance ``i`` gets ``cores[i %
+    len(cores)]`` alone, as with TP 1. See
+    :func:`kvpush.launcher.instances.core_shares` for why.
 
     ``kv_load_failure_policy`` (P/D modes): what decode does when KV does not
     arrive: ``recompute`` the prompt locally (default) or fail the request
@@ -51,8 +77,9 @@ class ClusterConfig:
     instances bind; ``advertise_host`` what the topology names (default
     ``host``); ``side_channel_host`` what the side channels bind (default
     ``host``) and ``side_channel_advertise_host`` what decode connects to.
-    ``push_granularity`` (kvpush mode) is prefill's push unit: ``request``,
-    ``chunk``, ``layer`` or ``auto`` (see :mod:`kvpush.connector.config`).
+    ``push_granularity`` (kvpush mode) is prefill's push unit: ``auto`` (the
+    default), ``request``, ``chunk`` or ``layer`` (see
+    :mod:`kvpush.connector.config`).
     ``nixl_backend`` is NIXL's transport (UCX or LIBFABRIC) and
     ``ucx_net_devices`` the NIC(s) UCX may use (``UCX_NET_DEVICES``), both
     for kvpush and the baselines. A kvpush side channel off loopback needs
@@ -101,10 +128,14 @@ class ClusterConfig:
     hosts: str = "local"
     link_gbit: float | None = None
     binding: str | None = None
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    colocated_tp: int = 1
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
         self._check_counts()
+        self._check_tp()
         self._check_ports()
         self._check_hosts()
         if self.binding is not None:
@@ -135,22 +166,63 @@ class ClusterConfig:
         _require(1 <= self.num_prefill <= 8, "--prefill must be between 1 and 8")
         _require(1 <= self.num_decode <= 8, "--decode must be between 1 and 8")
 
+    def _check_tp(self) -> None:
+        for name in ("prefill_tp", "decode_tp", "colocated_tp"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and 1 <= value <= MAX_TP,
+                f"{name} must be between 1 and {MAX_TP}, not {value!r}",
+            )
+        if self.mode == "colocated":
+            _require(
+                self.prefill_tp == 1 and self.decode_tp == 1,
+                "colocated mode runs one instance: set its TP with "
+                "--colocated-tp (colocated_tp), not --prefill-tp/--decode-tp",
+            )
+        else:
+            _require(
+                self.colocated_tp == 1,
+                f"--colocated-tp is for colocated mode; {self.mode} takes "
+                "--prefill-tp and --decode-tp",
+            )
+
+    def tp_of(self, role: str) -> int:
+        """The tensor-parallel size of an instance of ``role``."""
+        return {
+            "prefill": self.prefill_tp,
+            "decode": self.decode_tp,
+            "colocated": self.colocated_tp,
+        }[role]
+
+    @property
+    def side_channel_stride(self) -> int:
+        """Side-channel ports each instance owns: the cluster's largest TP
+        (1 when every instance runs one rank)."""
+        if self.mode == "colocated":
+            return self.colocated_tp
+        return max(self.prefill_tp, self.decode_tp)
+
     def _check_ports(self) -> None:
         n = self.num_instances
-        for name, first in (
-            ("port", self.port),
-            ("base_http_port", self.base_http_port),
-            ("base_side_channel_port", self.base_side_channel_port),
+        num_side = n * self.side_channel_stride
+        for name, first, count in (
+            ("port", self.port, 1),
+            ("base_http_port", self.base_http_port, n),
+            ("base_side_channel_port", self.base_side_channel_port, num_side),
         ):
-            last = first if name == "port" else first + n - 1
+            last = first + count - 1
             _require(
                 first >= 1024 and last <= _MAX_PORT,
                 f"{name} must leave ports {first}..{last} within 1024..65535",
             )
         http = set(range(self.base_http_port, self.base_http_port + n))
-        side = set(range(self.base_side_channel_port, self.base_side_channel_port + n))
+        first_side = self.base_side_channel_port
+        side = set(range(first_side, first_side + num_side))
         _require(
-            not http & side, "base_http_port and base_side_channel_port ranges overlap"
+            not http & side,
+            "base_http_port and base_side_channel_port ranges overlap (HTTP "
+            f"{self.base_http_port}..{self.base_http_port + n - 1}, side channels "
+            f"{first_side}..{first_side + num_side - 1})",
         )
         _require(
             self.port not in http | side,
@@ -268,6 +340,13 @@ def check_instance_settings(s: InstanceSettings) -> None:
             value is None or 0 < value <= 3600,
             f"{name} must be in (0, 3600] seconds, not {value!r}",
         )
+    tp_flags = [a for a in s.extra_vllm_args if a.split("=")[0] in _TP_FLAGS]
+    _require(
+        not tp_flags,
+        f"extra vLLM options must not set the TP ({tp_flags[:1]}): give it with "
+        "--prefill-tp/--decode-tp/--colocated-tp (serve: --tp), which also bind "
+        "each rank to its core",
+    )
     check_nixl_backend(s.nixl_backend)
     check_push_granularity(s.push_granularity)
     _require(

@@ -36,8 +36,11 @@ class InstanceSpec:
     """One vLLM instance to start.
 
     ``name`` is its engine id; ``addresses`` where it binds and what the
-    topology names; ``core`` the CPU it is pinned to (None: not pinned);
-    ``run_dir`` holds its log, traces and fault file (None: none of them).
+    topology names; ``side_channel_port`` the first of its ``tp``
+    side-channel ports (rank ``r`` may listen on ``side_channel_port + r``);
+    ``cores`` the CPU each of its ``tp`` ranks is bound to, in rank order
+    (empty: not pinned); ``run_dir`` holds its log, traces and fault file
+    (None: none of them).
     """
 
     role: Role
@@ -45,8 +48,33 @@ class InstanceSpec:
     addresses: Addresses
     http_port: int
     side_channel_port: int
-    core: int | None
+    cores: tuple[int, ...]
     run_dir: Path | None
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"instance {self.name}: tp must be >= 1, not {self.tp}")
+        if self.cores and len(self.cores) != self.tp:
+            raise ValueError(
+                f"instance {self.name}: {len(self.cores)} cores for {self.tp} ranks"
+            )
+
+    @property
+    def cpus(self) -> frozenset[int]:
+        """The process's CPU affinity: every rank's core (empty: unpinned)."""
+        return frozenset(self.cores)
+
+    @property
+    def omp_threads_bind(self) -> str | None:
+        """``VLLM_CPU_OMP_THREADS_BIND``: each rank's core, ranks separated
+        by ``|`` (None: not pinned; vLLM then binds by NUMA node itself)."""
+        return "|".join(str(c) for c in self.cores) if self.cores else None
+
+    @property
+    def side_channel_ports(self) -> range:
+        """The side-channel ports this instance owns, one per rank."""
+        return range(self.side_channel_port, self.side_channel_port + self.tp)
 
     @property
     def url(self) -> str:
@@ -83,11 +111,16 @@ def plan_instances(
     config: ClusterConfig, run_dir: Path, network: NetPlan | None = None
 ) -> list[InstanceSpec]:
     """Every instance of the cluster, prefills first, each with its own
-    ports, core and log file; on ``network``'s hosts, each at its host's
-    address (bound and advertised alike), else at ``config``'s."""
+    ports, cores and log file; on ``network``'s hosts, each at its host's
+    address (bound and advertised alike), else at ``config``'s. Ports follow
+    :class:`ClusterConfig`'s rule, cores :func:`core_shares`'."""
     cores = config.cores or tuple(sorted(os.sched_getaffinity(0)))
+    stride = config.side_channel_stride
+    names = instance_names(config)
+    tps = [config.tp_of(role) for role, _ in names]
+    shares = core_shares(cores, tps)
     specs = []
-    for i, (role, name) in enumerate(instance_names(config)):
+    for i, (role, name) in enumerate(names):
         addresses = config.addresses
         if network is not None:
             addresses = Addresses.resolve(network.host(name).address)
@@ -97,12 +130,91 @@ def plan_instances(
                 name=name,
                 addresses=addresses,
                 http_port=config.base_http_port + i,
-                side_channel_port=config.base_side_channel_port + i,
-                core=cores[i % len(cores)],
+                side_channel_port=config.base_side_channel_port + i * stride,
+                cores=rank_cores(shares[i], tps[i]),
                 run_dir=run_dir,
+                tp=tps[i],
             )
         )
     return specs
+
+
+def core_shares(cores: tuple[int, ...], tps: list[int]) -> list[tuple[int, ...]]:
+    """The cores each instance's ranks may use, for instances with ``tps``
+    ranks, in order. Instances never share a core while there are at least
+    as many cores as instances (on this machine a rank sharing a core with
+    another instance stalled vLLM's NIXL handshake; see
+    docs/tensor-parallel-cpu.md): each gets one core, then the spare cores go,
+    one at a time, to the instance with the most ranks per core (the
+    earliest on a tie) until every rank has its own core; shares are
+    contiguous, in instance order, and cores nobody needs stay unused. With
+    fewer cores than instances, instance ``i`` gets ``cores[i % len(cores)]``
+    alone, as with TP 1."""
+    if not cores:
+        return [() for _ in tps]
+    if len(cores) < len(tps):
+        return [(cores[i % len(cores)],) for i in range(len(tps))]
+    sizes = [1] * len(tps)
+    spare = len(cores) - len(tps)
+    while spare and any(n < tp for n, tp in zip(sizes, tps, strict=True)):
+        i = max(range(len(tps)), key=lambda j: (tps[j] / sizes[j], -j))
+        sizes[i] += 1
+        spare -= 1
+    shares, first = [], 0
+    for n in sizes:
+        shares.append(cores[first : first + n])
+        first += n
+    return shares
+
+
+def rank_cores(share: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The core of each of an instance's ``tp`` ranks, from its ``share``:
+    rank ``r`` gets ``share[r % len(share)]``, so its ranks take distinct
+    cores until the share runs out, then wrap around and share (empty
+    share: not pinned)."""
+    if not share:
+        return ()
+    return tuple(share[r % len(share)] for r in range(tp))
+
+
+def check_tp_fits_model(model: Path, tps: dict[str, int]) -> None:
+    """Refuse, before anything starts, a TP that ``model``'s heads do not
+    allow (``tps``: instance name -> its TP). vLLM needs the attention heads
+    divisible by the TP, and the KV heads either divisible by it or, when
+    there are fewer KV heads than ranks (they are then replicated),
+    dividing it; it reports the second only as a bare assertion in a worker's
+    log. A hub id or a config without head counts is left to vLLM."""
+    heads = _head_counts(model)
+    if heads is None:
+        return
+    num_heads, num_kv_heads = heads
+    for name, tp in tps.items():
+        if num_heads % tp:
+            raise ValueError(
+                f"{name}: TP {tp} does not divide the model's {num_heads} "
+                f"attention heads ({model}); choose a TP that divides {num_heads}"
+            )
+        if num_kv_heads % tp if num_kv_heads >= tp else tp % num_kv_heads:
+            raise ValueError(
+                f"{name}: TP {tp} and the model's {num_kv_heads} KV heads "
+                f"({model}) neither divide each other; vLLM needs one to divide "
+                "the other"
+            )
+
+
+def _head_counts(model: Path) -> tuple[int, int] | None:
+    try:
+        raw = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = raw.get("text_config") or raw
+    num_heads = text.get("num_attention_heads")
+    num_kv_heads = text.get("num_key_value_heads", num_heads)
+    if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int):
+        return None
+    if num_heads < 1 or num_kv_heads < 1:
+        return None
+    return num_heads, num_kv_heads
 
 
 FAULT_FILE = "faults.json"  # in the run dir, with fault_injection
@@ -175,6 +287,7 @@ def instance_command(
         "--port", str(spec.http_port),
         "--dtype", config.dtype,
         "--max-model-len", str(config.max_model_len),
+        "--tensor-parallel-size", str(spec.tp),
         "--enforce-eager",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
@@ -188,12 +301,13 @@ def instance_command(
 
 def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str, str]:
     """The variables kvpush sets for one instance (over the inherited
-    environment): its pinning, KV cache size, vLLM's side-channel address
-    (which the baselines bind and advertise), the NIC UCX may use. Never
+    environment): its ranks' cores, KV cache size, vLLM's side-channel address
+    (which the baselines bind and advertise: one listener per instance, on
+    its first port, answering for every rank), the NIC UCX may use. Never
     the secret: see :func:`instance_env`."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gb)}
-    if spec.core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.core)
+    if spec.omp_threads_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.omp_threads_bind
     env.update(
         VLLM_NIXL_SIDE_CHANNEL_HOST=spec.addresses.side_channel_host,
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_channel_port),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher.config import (
+    MAX_TP,
     Addresses,
     check_instance_settings,
     check_secret,
@@ -29,6 +30,7 @@ from kvpush.launcher.instances import (
     instance_command,
     instance_env,
     instance_env_vars,
+    rank_cores,
 )
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
@@ -47,9 +49,13 @@ class ServeConfig:
     ``host``/``advertise_host``/``side_channel_host``/
     ``side_channel_advertise_host``: see
     :class:`kvpush.launcher.config.Addresses`. ``port`` is its HTTP port,
-    ``side_channel_port`` its side channel's. ``core`` pins it to one CPU
-    (None: not pinned). ``run_dir`` receives kvpush's traces (and the fault
-    file); None: no traces. ``model`` a model directory or a hub id (None:
+    ``side_channel_port`` its side channel's (with ``tp`` ranks, it owns
+    ``side_channel_port .. + tp - 1``). ``tp`` is its tensor-parallel size;
+    ``cores`` the CPUs its ranks are bound to, rank ``r`` to
+    ``cores[r % len(cores)]`` (as ``kvpush up`` binds a cluster's ranks);
+    ``core`` is short for ``cores=(core,)`` (neither: not pinned).
+    ``run_dir`` receives kvpush's traces (and the fault file); None: no
+    traces. ``model`` a model directory or a hub id (None:
     the tiny model). The other fields are those of
     :class:`kvpush.launcher.config.ClusterConfig`.
     """
@@ -66,6 +72,8 @@ class ServeConfig:
     model: str | None = None
     run_dir: Path | None = None
     core: int | None = None
+    cores: tuple[int, ...] = ()
+    tp: int = 1
     dtype: str = "float32"
     max_model_len: int = 4096
     max_num_batched_tokens: int | None = None
@@ -107,6 +115,18 @@ class ServeConfig:
             )
         if self.core is not None and self.core < 0:
             raise ValueError(f"core must be a CPU number >= 0, not {self.core}")
+        if self.core is not None and self.cores:
+            raise ValueError("give core or cores, not both")
+        if any(c < 0 for c in self.cores):
+            raise ValueError(f"cores must be CPU numbers >= 0, not {self.cores}")
+        if not 1 <= self.tp <= MAX_TP:
+            raise ValueError(f"tp must be between 1 and {MAX_TP}, not {self.tp}")
+        top = self.side_channel_port + self.tp - 1
+        if top > 65535 or self.port in range(self.side_channel_port, top + 1):
+            raise ValueError(
+                f"side-channel ports {self.side_channel_port}..{top} (one per "
+                f"rank) must fit below 65536 and miss the HTTP port {self.port}"
+            )
         _ = self.addresses  # validated when resolved
 
     @property
@@ -133,9 +153,15 @@ class ServeConfig:
             addresses=self.addresses,
             http_port=self.port,
             side_channel_port=self.side_channel_port,
-            core=self.core,
+            cores=rank_cores(self._pool, self.tp),
             run_dir=self.run_dir,
+            tp=self.tp,
         )
+
+    @property
+    def _pool(self) -> tuple[int, ...]:
+        """The cores its ranks take in turn (empty: not pinned)."""
+        return self.cores or (() if self.core is None else (self.core,))
 
     def backend(self) -> Backend:
         """The entry to put in the router's topology file for it."""
@@ -180,12 +206,12 @@ def serve(
     config: ServeConfig, model: Path, secret: str | None, exec_fn: ExecFn = os.execve
 ) -> None:
     """Replace this process with the instance's vLLM API server, pinned to
-    ``config.core`` when set. Returns only when ``exec_fn`` does (tests)."""
+    its ranks' cores when set. Returns only when ``exec_fn`` does (tests)."""
     spec = config.spec()
     argv = instance_command(config, spec, model)
     env = instance_env(config, spec, secret)
-    if spec.core is not None:
-        os.sched_setaffinity(0, {spec.core})
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
     sys.stdout.flush()
     sys.stderr.flush()
     exec_fn(argv[0], argv, env)

@@ -21,8 +21,9 @@ class ProcessRecord(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     url: str
     log_path: str
-    side_channel_port: int | None = None
-    core: int | None = None
+    side_channel_port: int | None = None  # the first of its tp ports
+    cores: tuple[int, ...] = ()  # each rank's core (empty: not pinned)
+    tp: int = 1
     host: str | None = None  # its network namespace (None: this host's)
 
 

@@ -41,7 +41,7 @@ def test_each_instance_gets_its_own_ports_core_and_log(tmp_path: Path) -> None:
     assert [s.name for s in specs] == ["prefill0", "prefill1", "decode0"]
     assert [s.http_port for s in specs] == [8100, 8101, 8102]
     assert [s.side_channel_port for s in specs] == [5600, 5601, 5602]
-    assert [s.core for s in specs] == [0, 1, 0]
+    assert [s.cores for s in specs] == [(0,), (1,), (0,)]
     assert len({s.log_path for s in specs}) == 3
 
 

@@ -98,7 +98,8 @@ def test_exact_argv_and_env_per_role_and_mode(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(MODEL), "--served-model-name", "tiny",
         "--host", "0.0.0.0", "--port", "8200", "--dtype", "float32",
-        "--max-model-len", "4096", "--enforce-eager", "--disable-uvicorn-access-log",
+        "--max-model-len", "4096", "--tensor-parallel-size", "1",
+        "--enforce-eager", "--disable-uvicorn-access-log",
         "--kv-transfer-config", json.dumps(kv), "--block-size", "16",
     ]  # fmt: skip
     assert instance_env_vars(config, config.spec()) == {
