@@ -3,10 +3,11 @@
 kvpush copies a request's KV block for block: block ``b`` of every layer on
 the prefill is written over block ``b'`` of the same layer on the decode.
 That is only right when one block id names the same tokens in every layer,
-each block is one contiguous chunk laid out identically on both sides, and one
-worker holds all of it. :func:`check_supported` checks the settings that
-decide this; :func:`kvpush.connector.kv_memory.layout_of` checks the tensors
-themselves once vLLM has allocated them.
+each block is one contiguous chunk laid out identically on both sides, and
+each worker rank's slice of it is copied by the same rank of the other side.
+:func:`check_supported` checks the settings that decide this;
+:func:`kvpush.connector.kv_memory.layout_of` checks the tensors themselves
+once vLLM has allocated them.
 
 Who calls it: the connector's constructor, in both roles: SCHEDULER in
 EngineCore (``kv_cache_config`` is the scheduler's copy of worker 0's config)
@@ -15,7 +16,15 @@ before the KV cache is allocated). It reads its arguments and changes nothing.
 
 Accepted, and why the copy is right:
 
-- TP, PP, DP, DCP and PCP all 1: one worker holds every layer and token.
+- PP, DP, DCP and PCP all 1: each worker holds every layer and token of
+  its own KV heads.
+- Any TP size: every worker rank is a transfer endpoint
+  (:mod:`kvpush.transfer.ranks`). Prefill's TP size must equal decode's
+  (rank ``r`` writes to rank ``r``), but neither side can know the other's
+  at start-up: a decode refuses a leg naming another ``prefill_tp`` (served
+  locally), and prefill refuses a Hello from a decode of another TP size,
+  with the reason (``rejected.incompatible``; decode falls back and counts
+  ``receive_failed.incompatible``).
 - One KV-cache group whose spec is exactly ``FullAttentionSpec``: every layer
   keeps every token, in the same block ids. Sliding-window or chunked layers
   that vLLM allocates as full attention (hybrid manager off, the default for
@@ -112,9 +121,7 @@ def kv_storage_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def _parallel_problems(parallel: Any) -> list[str]:
-    until = {"TP": "until tensor parallelism lands"}
     sizes = {
-        "TP": ("--tensor-parallel-size", parallel.tensor_parallel_size),
         "PP": ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
         "DP": ("--data-parallel-size", parallel.data_parallel_size),
         "DCP": (
@@ -127,9 +134,9 @@ def _parallel_problems(parallel: Any) -> list[str]:
         ),
     }
     problems = [
-        f"{flag} {size}: kvpush supports {name} 1 only "
-        f"{until.get(name, 'until it is designed')} (one worker must hold all "
-        f"of an instance's KV); run with {flag} 1"
+        f"{flag} {size}: kvpush supports {name} 1 only until it is designed "
+        f"(each worker must hold every layer and token of its heads); run "
+        f"with {flag} 1"
         for name, (flag, size) in sizes.items()
         if size != 1
     ]

@@ -10,6 +10,14 @@ Prefill's answers to registrations come back on this socket: Failures and
 requests for a Hello are forwarded to the worker in the next step's
 metadata (this process never touches the receives themselves).
 
+Tensor parallelism: block ids are the same on every rank, so this one
+scheduler sends one Registration (and any Cancel of its own) to every
+prefill rank's side channel (``prefill_port + r``,
+:mod:`kvpush.transfer.ranks`), and its metadata reaches every decode worker
+rank: a Failure from any prefill rank reaches them all. A leg whose
+``prefill_tp`` this decode cannot pair with its own TP size is served
+locally (``rejected.incompatible``) before anything is sent.
+
 Siblings (``n > 1``): vLLM fans a request out into children with the same
 ``kv_transfer_params``; one prefill pushes one transfer, and the children
 share it. The first child seen owns the transfer id and registers; a later
@@ -53,6 +61,7 @@ from kvpush.transfer.messages import (
     HelloRequest,
     Registration,
 )
+from kvpush.transfer.ranks import TpPair, side_channel_port
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +100,12 @@ class DecodeScheduler:
         first = self._legs.first_of(rid)
         if first is not None:
             return self._sibling(rid, first, leg), False
+        problem = TpPair(leg.prefill_tp, self.config.tp_size).problem()
+        if problem is not None:
+            self.counters.add("rejected.incompatible")
+            logger.error("kvpush: serving %s locally: %s", rid, problem)
+            self._give_up(rid, leg, problem)
+            return 0, False
         num_external = request.num_prompt_tokens - num_computed_tokens
         if num_external <= 0:
             self._give_up(rid, leg, "decode holds the whole prompt")
@@ -160,17 +175,20 @@ class DecodeScheduler:
                 prefill_engine_id=leg.prefill_engine_id,
                 prefill_host=leg.prefill_host,
                 prefill_port=leg.prefill_port,
+                prefill_tp=leg.prefill_tp,
             )
         )
-        if not self._send(leg.prefill_host, leg.prefill_port, reg):
-            self.counters.add("registration.not_sent")
-            failure = Failure(
-                transfer_id=leg.transfer_id,
-                engine_id=self.config.engine_id,
-                cause=Cause.SEND_FAILED,
-                detail="the registration could not be queued",
-            )
-            self._meta.failures.append(failure)  # no WRITE can come: fall back
+        for rank, port in _rank_ports(leg):
+            if not self._send(leg.prefill_host, port, reg):
+                self.counters.add("registration.not_sent")
+                failure = Failure(
+                    transfer_id=leg.transfer_id,
+                    engine_id=self.config.engine_id,
+                    cause=Cause.SEND_FAILED,
+                    detail="the registration could not be queued",
+                    rank=rank,
+                )
+                self._meta.failures.append(failure)  # that rank cannot write
         self.tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst),
                          request_id=rid)  # fmt: skip
         self._closed.add(rid)
@@ -222,8 +240,9 @@ class DecodeScheduler:
         cancel = Cancel(
             transfer_id=leg.transfer_id, engine_id=self.config.engine_id, reason=reason
         )
-        if not self._peers.send(leg.prefill_host, leg.prefill_port, cancel):
-            self.counters.add("cancel.not_sent")  # prefill's deadline covers it
+        for _, port in _rank_ports(leg):
+            if not self._peers.send(leg.prefill_host, port, cancel):
+                self.counters.add("cancel.not_sent")  # its deadline covers it
         self._closed.add(rid)
 
     def update_connector_output(
@@ -241,3 +260,8 @@ class DecodeScheduler:
     def close(self) -> None:
         self._peers.close()
         self.tracer.close()
+
+
+def _rank_ports(leg: DecodeLeg) -> list[tuple[int, int]]:
+    """(rank, side-channel port) of every rank of the leg's prefill."""
+    return [(r, side_channel_port(leg.prefill_port, r)) for r in range(leg.prefill_tp)]

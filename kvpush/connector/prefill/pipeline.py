@@ -71,6 +71,7 @@ from kvpush.transfer.messages import (
     Reconcile,
     Registration,
 )
+from kvpush.transfer.ranks import TpPair
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class WriterConfig:
     boot_id: str = "0"  # this start of the prefill (sent in HelloReply)
     peer_timeout_s: float = 10.0  # a decode silent this long is dropped
     write_timeout_s: float = WRITE_TIMEOUT_S
+    tp_size: int = 1  # this prefill instance's --tensor-parallel-size
+    rank: int = 0  # this worker's TP rank (its side channel: base port + rank)
 
     def __post_init__(self) -> None:
         if self.peer_timeout_s <= 0 or self.write_timeout_s <= 0:
@@ -123,14 +126,15 @@ class Pipeline:
         self._tracer, self._counters, self._faults = tracer, counters, faults
         self._matcher = Matcher(config.matcher)
         self._peers = DecodePeers(config.peer_timeout_s)
+        self._tp_size, self._rank = config.tp_size, config.rank
         self._writes = Writes(
-            io, config.engine_id, tracer, counters, config.write_timeout_s
+            io, config.engine_id, tracer, counters, config.write_timeout_s, config.rank
         )
         self._later: list[tuple[float, int, Ready]] = []  # fault-delayed KV
         self._seq = itertools.count()
         self._to_post = Posting()
         self._streams = Streams()
-        self._tell = Teller(config.engine_id, reply, counters)
+        self._tell = Teller(config.engine_id, reply, counters, config.rank)
         self._reconciler = Reconciler(
             self._matcher, self._streams, self._tell, counters
         )
@@ -407,17 +411,37 @@ class Pipeline:
         known = self._peers.get(hello.engine_id)
         if known is not None and known.boot_id != hello.boot_id:
             self._forget(hello.engine_id, "decode restarted", now, hello.boot_id)
-        problem = self._peers.accept(hello, route, self._io.layout, self._io.load_peer)
+        problem = self._rank_problem(hello) or self._peers.accept(
+            hello, route, self._io.layout, self._io.load_peer
+        )
         reply = HelloReply(
             engine_id=self._engine_id,
             accepted=problem is None,
             boot_id=self._boot_id,
             reason=problem or "",
+            rank=self._rank,
         )
         self._reply(route, reply)
         if problem is not None:
             self._counters.add("rejected.incompatible")
-            logger.warning("kvpush: refused decode %s: %s", hello.engine_id, problem)
+            logger.warning(
+                "kvpush: refused decode %s rank %d: %s",
+                hello.engine_id,
+                hello.rank,
+                problem,
+            )
+
+    def _rank_problem(self, hello: Hello) -> str | None:
+        """Why this rank does not write to the decode rank that said
+        ``hello`` (:class:`~kvpush.transfer.ranks.TpPair`), or None."""
+        pair = TpPair(self._tp_size, hello.tp_size)
+        problem = pair.problem()
+        if problem is None and hello.rank not in pair.targets_of(self._rank):
+            problem = (
+                f"prefill rank {self._rank} does not write to decode rank "
+                f"{hello.rank} (a decode rank says Hello only to its sources)"
+            )
+        return problem
 
     def _forget(
         self, engine: str, why: str, now: float, new_boot: str | None = None

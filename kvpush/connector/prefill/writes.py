@@ -86,8 +86,10 @@ class Writes:
         tracer: Tracer,
         counters: Counters,
         timeout_s: float,
+        rank: int = 0,
     ) -> None:
         self._io, self._engine_id, self._tracer = io, engine_id, tracer
+        self._rank = rank  # this prefill worker's TP rank, named in its Done
         self._counters = counters
         self._timeout_s = timeout_s
         self._inflight: dict[tuple[str, int], InFlight] = {}
@@ -111,7 +113,7 @@ class Writes:
         posted (a block outside either cache, NIXL refusing)."""
         tid = items[-1].transfer_id
         notify = items[-1].notify
-        done = Done(transfer_id=tid, engine_id=self._engine_id, num_blocks=total)
+        done = Done(tid, self._engine_id, total, rank=self._rank)
         layouts = (self._io.layout, peer.layout)
         srcs, dsts, num_runs, num_bytes = [], [], 0, 0
         for item in items:
