@@ -88,7 +88,12 @@ class Rig:
         peer_timeout_s: float = 10.0,
         fault_file: str = "",
         num_layers: int = NUM_LAYERS,
+        rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        """Prefill worker rank ``rank`` of ``tp_size``; its decode peer is
+        the decode rank it writes to (same TP size)."""
+        self.rank, self.tp_size = rank, tp_size
         self.io = FakeNixlIO("kvpush-p0", layout(SRC_BASE, num_layers=num_layers))
         self.decode_io = FakeNixlIO(
             "kvpush-d0", layout(DST_BASE, num_layers=num_layers)
@@ -100,7 +105,13 @@ class Rig:
         self.counters = Counters()
         self.writer = Writer(
             self.io,
-            WriterConfig(PREFILL, config, peer_timeout_s=peer_timeout_s),
+            WriterConfig(
+                PREFILL,
+                config,
+                peer_timeout_s=peer_timeout_s,
+                tp_size=tp_size,
+                rank=rank,
+            ),
             self.replies,
             self.tracer,
             self.counters,
@@ -117,7 +128,11 @@ class Rig:
         route: bytes = DECODE_ROUTE,
         decode_layout: KvLayout | None = None,
         boot_id: str = BOOT,
+        rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        """Decode ``engine``'s Hello, from decode rank ``rank`` of
+        ``tp_size`` (default: the rank this prefill rank writes to)."""
         io = (
             self.decode_io
             if engine == DECODE
@@ -131,6 +146,8 @@ class Rig:
                 agent_name=io.name,
                 nixl_metadata=io.metadata,
                 layout=decode_layout or io.layout,
+                rank=self.rank if rank is None else rank,
+                tp_size=self.tp_size if tp_size is None else tp_size,
             ),
         )
 
