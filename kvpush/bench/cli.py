@@ -17,6 +17,10 @@ from rich.console import Console
 
 from kvpush.bench.config import PRESETS, load_config_file, make_config, preset
 
+# Rounds of a --publish run unless --repeat (or a config file) says otherwise:
+# enough for a median and a min-max on this machine.
+PUBLISH_REPEAT = 3
+
 
 def _yes_no(text: str) -> bool:
     if text.lower() in ("yes", "true", "1"):
@@ -89,6 +93,10 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--history-len", "history_len", int, "multi-turn: turn 1's prompt tokens (1200)"),
     ("--turn-len", "turn_len", int,
      "multi-turn: new user tokens per later turn (130, about 100 words)"),
+    ("--repeat", "repeat", int, "rounds: every configuration once per round, "
+     "in the same order (A B C D, A B C D, ...), each on a fresh cluster; ratios "
+     "to vllm-pull as median [min-max] over rounds (1; with --publish "
+     f"{PUBLISH_REPEAT})"),
     ("--share-kvpush-cluster", "share_kvpush_cluster", _yes_no,
      "yes|no: run the kvpush configurations on one cluster, a router each "
      "(default: yes for skewed and multi-turn)"),
@@ -165,7 +173,8 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """Preset, then file, then flags."""
+    """Preset, then file, then flags; a --publish run repeats
+    ``PUBLISH_REPEAT`` rounds unless a layer sets ``repeat``."""
     layers = [preset(args.preset or "default")]
     if args.config:
         layers.append(load_config_file(args.config))
@@ -176,6 +185,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
             if getattr(args, dest) is not None
         }
     )
+    if getattr(args, "publish", None) is not None and not any(
+        "repeat" in layer for layer in layers
+    ):
+        layers.append({"repeat": PUBLISH_REPEAT})
     return make_config(*layers)
 
 

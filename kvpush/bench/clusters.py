@@ -33,15 +33,17 @@ _POLL_S = 0.2
 
 @dataclass(frozen=True)
 class Run:
-    """One cluster of the benchmark: a configuration at a link rate.
-    ``router_port`` is set where the configuration shares a cluster an
-    earlier run started and brings a router of its own."""
+    """One cluster of the benchmark: a configuration at a link rate, in a
+    round (None: the run is not repeated). ``router_port`` is set where the
+    configuration shares a cluster an earlier run of its round started and
+    brings a router of its own."""
 
     name: str
     link_gbit: float | None
     cluster: ClusterConfig
     is_shared: bool = False
     router_port: int | None = None
+    round: int | None = None
 
     @property
     def run_dir(self) -> Path:

@@ -29,6 +29,7 @@ from kvpush.settings_file import read_settings_file
 ARRIVALS = ("poisson", "concurrency")
 HOSTS = ("local", "netns")  # as kvpush up --hosts
 MAX_LINK_GBIT = 100.0  # as kvpush up --link-gbit
+MAX_REPEAT = 20  # rounds
 DEFAULT_CONFIGS = ("colocated", "vllm-pull", "vllm-push", "kvpush")
 __all__ = ["BINDING_CONFIGS", "CONFIG_NAMES", "GRANULARITY_CONFIGS", "cluster_of"]
 # sweep: the load sweep; skewed: the same with one decode kept busy by long
@@ -67,6 +68,8 @@ class BenchConfig:
     ``model_preset`` a named shape of :mod:`kvpush.model.presets` (made on
     first use, as ``kvpush up --model-preset``; :func:`make_config` takes its
     ``max_model_len`` and ``kv_cache_space_gb`` unless they are given).
+    ``repeat`` > 1 runs every configuration once per round, in the same
+    order each round, each time on a fresh cluster (:mod:`rounds`).
 
     ``hosts="netns"`` runs every cluster on the multi-host rehearsal (each
     instance in its own network namespace, see
@@ -119,6 +122,7 @@ class BenchConfig:
     history_len: int = 1200
     turn_len: int = 130
     share_kvpush_cluster: bool | None = None
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         self._check_configs()
@@ -136,6 +140,10 @@ class BenchConfig:
         require(self.seed >= 0, "seed must be >= 0")
         require(self.request_timeout_s > 0, "request_timeout_s must be positive")
         require(self.num_timeline_requests >= 0, "num_timeline_requests must be >= 0")
+        require(
+            1 <= self.repeat <= MAX_REPEAT,
+            f"repeat must be in 1..{MAX_REPEAT} rounds, not {self.repeat}",
+        )
         self._check_model()
         self._check_hosts()
 

@@ -73,6 +73,7 @@ def all_timelines(
             for r in records
             if r.config == config.name
             and r.link_gbit == config.link_gbit
+            and r.round == config.round
             and r.token_times_s
         }
         by_time = match_by_time(timelines.unjoined, spans)

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt
 
 from kvpush.bench.records import RequestRecord
 from kvpush.bench.report import AXIS_NAMES, plot_axis, plot_files
-from kvpush.bench.report_net import overhead
+from kvpush.bench.report_rounds import Getter, figure_spread, overhead_of, stat_of
 from kvpush.bench.stats import ttft_s
 from kvpush.bench.summary import BenchSummary, ConfigResult
 from kvpush.bench.timeline import MATCHED, Timeline
@@ -57,7 +57,9 @@ def write_plots(
 ) -> list[Path]:
     """Write every plot into ``out_dir``; returns their paths."""
     files = plot_files(plot_axis(summary))
-    runs = [c for c in summary.configs if c.status == "ok"]
+    # a repeated run: one series per configuration (its first round's), the
+    # median over rounds with min-max bars; CDFs pool every round
+    runs = [c for c in summary.in_round(summary.rounds[0]).configs if c.status == "ok"]
     timeline_path = out_dir / files["timeline"]
     against = _against_rate if plot_axis(summary) == "link_gbit" else _against_axis
     written = [
@@ -77,11 +79,8 @@ def _overhead(summary: BenchSummary, runs: Sequence[ConfigResult], path: Path) -
     xs = [p.x for p in summary.points]
     pd_runs = [run for run in runs if run.name != "colocated"]
     for i, run in enumerate(pd_runs):
-        ys = [
-            overhead(summary, run.name, run.link_gbit, p.index) for p in summary.points
-        ]
-        values = [float("nan") if y is None else y for y in ys]
-        ax.plot(xs, values, "-o", color=_COLORS[i % len(_COLORS)], label=run.label)
+        series = _over_rounds(summary, run, overhead_of)
+        _draw(ax, xs, series, "-o", _COLORS[i % len(_COLORS)], _series_label(run))
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_xlabel(AXIS_NAMES["prompt_len"] + " (tokens)")
     ax.set_ylabel("TTFT p50 − colocated TTFT p50 (ms)")
@@ -95,9 +94,54 @@ def _color(runs: Sequence[ConfigResult], run: ConfigResult) -> str:
     return _COLORS[runs.index(run) % len(_COLORS)]
 
 
-def _mine(records: Sequence[RequestRecord], run: ConfigResult) -> list[RequestRecord]:
-    """The records of one configuration at its link rate."""
-    return [r for r in records if r.config == run.name and r.link_gbit == run.link_gbit]
+def _mine(
+    records: Sequence[RequestRecord], run: ConfigResult, every_round: bool = False
+) -> list[RequestRecord]:
+    """The records of one configuration at its link rate, in its round (or
+    in every round)."""
+    return [
+        r
+        for r in records
+        if r.config == run.name
+        and r.link_gbit == run.link_gbit
+        and (every_round or r.round == run.round)
+    ]
+
+
+def _series_label(run: ConfigResult) -> str:
+    """A series' name: the configuration (and link), not one round."""
+    return run.label if run.round is None else run.label.rsplit(", round ", 1)[0]
+
+
+Series = tuple[list[float], list[float], list[float]]  # value, low, high
+
+
+def _over_rounds(summary: BenchSummary, run: ConfigResult, get: Getter) -> Series:
+    """Per point: the figure's median over rounds and its min and max (the
+    figure itself, where the run was not repeated)."""
+    ys, lo, hi = [], [], []
+    for p in summary.points:
+        s = figure_spread(summary, get, run.name, run.link_gbit, p.index)
+        nan = float("nan")
+        ys.append(nan if s is None else s.median)
+        lo.append(nan if s is None else s.min)
+        hi.append(nan if s is None else s.max)
+    return ys, lo, hi
+
+
+def _draw(
+    ax: Any, xs: Sequence[float], series: Series, style: str, color: str, label: str
+) -> None:
+    """A line, with min-max bars where the values spread over rounds."""
+    ys, lo, hi = series
+    if any(h > low for low, h in zip(lo, hi, strict=True)):
+        bars = [
+            [y - low for y, low in zip(ys, lo, strict=True)],
+            [h - y for y, h in zip(ys, hi, strict=True)],
+        ]
+        ax.errorbar(xs, ys, yerr=bars, fmt=style, color=color, label=label, capsize=3)
+    else:
+        ax.plot(xs, ys, style, color=color, label=label)
 
 
 def _against_axis(
@@ -111,12 +155,17 @@ def _against_axis(
     xs = [p.x for p in summary.points]
     for run in runs:
         for pct, style in (("p50", "-o"), ("p99", "--^")):
-            ys = [_value(run, p.index, field, pct) for p in summary.points]
-            color, label = _color(runs, run), f"{run.label} {pct}"
-            ax.plot(xs, ys, style, color=color, label=label)
+            series = _over_rounds(summary, run, stat_of(field, pct))
+            label = f"{_series_label(run)} {pct}"
+            _draw(ax, xs, series, style, _color(runs, run), label)
     ax.set_xlabel(AXIS_NAMES.get(summary.axis, summary.axis))
     ax.set_ylabel(f"{what} (ms)")
-    ax.set_title(f"{what} p50 (solid) and p99 (dashed)")
+    rounds = (
+        f", median and min–max of {len(summary.rounds)} rounds"
+        if summary.is_repeated
+        else ""
+    )
+    ax.set_title(f"{what} p50 (solid) and p99 (dashed){rounds}", fontsize="medium")
     _log_if_wide(ax, summary, runs, field)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
@@ -139,7 +188,7 @@ def _against_rate(
         xs = [float(run.link_gbit or 0.0) for run in mine]
         color = _COLORS[i % len(_COLORS)]
         for pct, style in (("p50", "-o"), ("p99", "--^")):
-            ys = [_value(run, point, field, pct) for run in mine]
+            ys = [_median(summary, run, point, field, pct) for run in mine]
             ax.plot(xs, ys, style, color=color, label=f"{name} {pct}")
     ax.set_xscale("log")
     rates = [r for r in summary.link_rates if r is not None]
@@ -150,6 +199,15 @@ def _against_rate(
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
     return _save(fig, path)
+
+
+def _median(
+    summary: BenchSummary, run: ConfigResult, point: int, field: str, pct: str
+) -> float:
+    """The figure's median over rounds (the figure, if not repeated)."""
+    get = stat_of(field, pct)
+    s = figure_spread(summary, get, run.name, run.link_gbit, point)
+    return float("nan") if s is None else s.median
 
 
 def _value(run: ConfigResult, point: int, field: str, pct: str) -> float:
@@ -189,14 +247,15 @@ def _cdf(
         for run in runs:
             values = sorted(
                 1000 * t
-                for r in _mine(records, run)
+                for r in _mine(records, run, every_round=True)
                 if r.point == info.index
                 if (t := ttft_s(r)) is not None
             )
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
                 color = _color(runs, run)
-                ax.step(values, ys, where="post", color=color, label=run.label)
+                label = _series_label(run)
+                ax.step(values, ys, where="post", color=color, label=label)
         ax.set_title(info.label, fontsize="medium")
         ax.set_xlabel("TTFT (ms)")
         ax.set_xscale("log")

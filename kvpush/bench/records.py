@@ -31,6 +31,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     config: str
     point: int
     link_gbit: float | None = None  # the rehearsal links' rate, if shaped
+    round: int | None = None  # of a repeated run (--repeat)
     index: int
     bench_id: str
     prompt_len: int

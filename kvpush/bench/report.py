@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpush.bench.report_net import hosts_line, rehearsal_sections
+from kvpush.bench.report_rounds import rounds_section
 from kvpush.bench.report_scenario import scenario_sections, workload_line
 from kvpush.bench.report_sweep import sweep_sections
+from kvpush.bench.sections import demote_headings
 from kvpush.bench.stats import Dist, PointStats, ratio
 from kvpush.bench.summary import BenchSummary, PointInfo, rate
 from kvpush.bench.timeline import HandoverStats
@@ -61,19 +63,38 @@ def render_report(
     preamble: str = "",
     image_dir: str = "",
 ) -> str:
-    """The whole report as markdown; images are linked under ``image_dir``."""
-    parts = [f"# {title}", preamble, _run_line(summary), _headline(summary)]
-    parts += [_setup(summary), _config_status(summary)]
-    parts += scenario_sections(summary, table)
+    """The whole report as markdown; images are linked under ``image_dir``.
+    A repeated run opens with the ratios' spread over rounds, then gives
+    each round's own report under a heading of its own."""
+    parts = [f"# {title}", preamble, _run_line(summary)]
+    if summary.is_repeated:
+        parts += [rounds_section(summary, table), _setup(summary)]
+        parts.append(_config_status(summary))
+        for r in summary.rounds:
+            of_round = summary.in_round(r)
+            body = [_headline(of_round), *_measured(of_round)]
+            parts.append(f"## Round {r}\n\n" + demote_headings(_joined(body)))
+    else:
+        parts += [_headline(summary), _setup(summary), _config_status(summary)]
+        parts += _measured(summary)
+    parts += [_plots(summary, image_dir), _DEFINITIONS]
+    return _joined(parts) + "\n"
+
+
+def _joined(parts: Sequence[str]) -> str:
+    return "\n\n".join(p.strip() for p in parts if p.strip())
+
+
+def _measured(summary: BenchSummary) -> list[str]:
+    """Everything measured, section by section (one round's, when repeated)."""
+    parts = scenario_sections(summary, table)
     parts += rehearsal_sections(summary, table)
     parts += sweep_sections(summary, table)
     for link in summary.link_rates:
         at_link = summary.at_link(link)
         prefix = "" if link is None else f"{rate(link)}, "
         parts += [_point_section(at_link, info, prefix) for info in summary.points]
-    parts += [_descriptors(summary), _resources(summary), _plots(summary, image_dir)]
-    parts += [_DEFINITIONS]
-    return "\n\n".join(p.strip() for p in parts if p.strip()) + "\n"
+    return [*parts, _descriptors(summary), _resources(summary)]
 
 
 def _run_line(summary: BenchSummary) -> str:

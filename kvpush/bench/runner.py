@@ -38,16 +38,14 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from kvpush.bench import background, client, conversation, loadgen, scenario
+from kvpush.bench import background, client, conversation, loadgen, rounds, scenario
 from kvpush.bench.bandwidth import (
     TRANSFER_KIND,
     BandwidthStats,
-    NixlTransfers,
     TransferSample,
     from_nixl,
     from_samples,
     in_window,
-    parse_nixl_transfers,
     read_write_samples,
 )
 from kvpush.bench.bindings import Counts, count_delta
@@ -59,7 +57,8 @@ from kvpush.bench.inputs import (
     normal_token_ids,
     resolve_model,
 )
-from kvpush.bench.links import LinkUsage, link_usage, read_links
+from kvpush.bench.links import LinkUsage, link_usage
+from kvpush.bench.meters import Meters, read_meters
 from kvpush.bench.names import cluster_of, granularity_of
 from kvpush.bench.overlap import TransferTrace, read_transfers
 from kvpush.bench.overlap import in_window as transfers_in_window
@@ -92,7 +91,6 @@ from kvpush.bench.workload import (
 from kvpush.bench.writes import DescriptorStats, read_write_sizes, summarize_writes
 from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher import ClusterConfig
-from kvpush.launcher.netns import LinkBytes, NetnsError
 from kvpush.launcher.state import RunState
 from kvpush.model.kv_size import kv_bytes_per_token
 
@@ -148,17 +146,7 @@ def prepare(config: BenchConfig, console: Console) -> Plan:
         [*points, warmup, *(w for r in salted.values() for w in r.points)],
         config.max_model_len,
     )
-    runs = tuple(
-        Run(
-            name,
-            rate,
-            cluster_config(config, name, model, _run_dir(out_dir, name, rate), rate),
-        )
-        for rate in config.link_rates
-        for name in config.configs
-    )
-    if config.shares_kvpush_cluster:
-        runs = share_runs(runs, out_dir / "clusters" / "kvpush-shared")
+    runs = plan_runs(config, model, out_dir)
     per_token = (
         kv_bytes_per_token(model, config.dtype) if config.hosts == "netns" else None
     )
@@ -168,9 +156,38 @@ def prepare(config: BenchConfig, console: Console) -> Plan:
     )
 
 
-def _run_dir(out_dir: Path, name: str, link_gbit: float | None) -> Path:
+def plan_runs(config: BenchConfig, model: Path, out_dir: Path) -> tuple[Run, ...]:
+    """Every cluster of the run, in order (:func:`rounds.round_order`): per
+    round every link rate and configuration, a repeated run's clusters under
+    ``clusters/round-<k>/``, a fresh set each round."""
+    pairs = [(rate, name) for rate in config.link_rates for name in config.configs]
+    runs = [
+        Run(
+            name,
+            rate,
+            cluster_config(
+                config, name, model, _run_dir(_round_dir(out_dir, r), name, rate), rate
+            ),
+            round=r,
+        )
+        for r, (rate, name) in rounds.round_order(pairs, config.repeat)
+    ]
+    if not config.shares_kvpush_cluster:
+        return tuple(runs)
+    shared: list[Run] = []
+    for r in rounds.rounds_of(config.repeat):
+        of_round = [run for run in runs if run.round == r]
+        shared += share_runs(of_round, _round_dir(out_dir, r) / "kvpush-shared")
+    return tuple(shared)
+
+
+def _round_dir(out_dir: Path, round_: int | None) -> Path:
+    return out_dir / "clusters" / ("" if round_ is None else f"round-{round_}")
+
+
+def _run_dir(base: Path, name: str, link_gbit: float | None) -> Path:
     folder = name if link_gbit is None else f"{name}-{link_gbit:g}gbit"
-    return out_dir / "clusters" / folder
+    return base / folder
 
 
 def cluster_config(
@@ -222,14 +239,16 @@ def run_bench(plan: Plan, console: Console, command: str) -> BenchSummary:
         },
         points=[point_info(w) for w in plan.points],
     )
-    clusters = Clusters(plan.runs)
-    try:
-        for run in plan.runs:
-            summary.configs.append(run_config(plan, run, clusters, console))
-            summary.duration_s = time.monotonic() - started
-            save_summary(summary, plan.out_dir)
-    finally:
-        clusters.close()
+    for r in dict.fromkeys(run.round for run in plan.runs):
+        of_round = [run for run in plan.runs if run.round == r]
+        clusters = Clusters(of_round)  # a round's shared cluster ends with it
+        try:
+            for run in of_round:
+                summary.configs.append(run_config(plan, run, clusters, console))
+                summary.duration_s = time.monotonic() - started
+                save_summary(summary, plan.out_dir)
+        finally:
+            clusters.close()
     summary.finished_at = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     save_summary(summary, plan.out_dir)
     return summary
@@ -248,6 +267,13 @@ def run_config(
     plan: Plan, run: Run, clusters: Clusters, console: Console
 ) -> ConfigResult:
     """Start, warm up, measure and stop one configuration's cluster."""
+    result = _run_config(plan, run, clusters, console)
+    return msgspec.structs.replace(result, round=run.round)
+
+
+def _run_config(
+    plan: Plan, run: Run, clusters: Clusters, console: Console
+) -> ConfigResult:
     name, label = run.name, _label(run)
     console.rule(f"[bold]{label}")
     try:
@@ -282,9 +308,10 @@ def run_config(
 
 
 def _label(run: Run) -> str:
-    return (
+    label = (
         run.name if run.link_gbit is None else f"{run.name} @{run.link_gbit:g} Gbit/s"
     )
+    return label if run.round is None else f"{label}, round {run.round}"
 
 
 def _descriptor_stats(
@@ -321,14 +348,6 @@ def _traced(run: Run, console: Console) -> Traced:
     return Traced(timelines, writes, transfers)
 
 
-@dataclass(frozen=True)
-class Meters:
-    """Readings taken right before the first point and after each one."""
-
-    links: list[dict[str, LinkBytes] | None]
-    nixl: list[NixlTransfers | None]
-
-
 Checkpoint = Callable[[], Awaitable[None]]  # a resource mark and meter readings
 
 
@@ -357,14 +376,14 @@ def _failed(run: Run, error: BaseException) -> ConfigResult:
 async def _measure(
     plan: Plan, run: Run, state: RunState, monitor: ResourceMonitor, console: Console
 ) -> Measured:
-    meters = Meters(links=[], nixl=[])
+    meters = Meters()
     async with client.make_session() as session:
         warmup = await _warm_up(plan, run, state, session, console)
         marks: list[Mark] = []
 
         async def checkpoint() -> None:
             marks.append(monitor.mark())
-            await _read_meters(meters, state, session)
+            await read_meters(meters, state, session)
 
         async with _background(plan, run, state, session) as driven:
             before = await scenario.read_binding_counts(session, state.router_url)
@@ -377,9 +396,11 @@ async def _measure(
             after = await scenario.read_binding_counts(session, state.router_url)
     for records in measured:
         for record in records:
-            record.link_gbit = run.link_gbit
+            record.link_gbit, record.round = run.link_gbit, run.round
         write_records(plan.out_dir / REQUESTS_FILE, records)
     if driven is not None:
+        for record in driven.records:
+            record.link_gbit, record.round = run.link_gbit, run.round
         write_records(plan.out_dir / background.BACKGROUND_FILE, driven.records)
     counts = None if before is None or after is None else count_delta(before, after)
     return Measured(warmup, measured, marks, meters, counts, driven)
@@ -454,39 +475,6 @@ async def _background(
         yield driven
 
 
-async def _read_meters(
-    meters: Meters, state: RunState, session: aiohttp.ClientSession
-) -> None:
-    """Read the hosts' link counters and the NIXL histograms, where the
-    configuration has them (None where it has not, or a reading failed)."""
-    links = None
-    if state.network is not None:
-        try:
-            links = read_links(state.network)
-        except NetnsError:
-            links = None
-    meters.links.append(links)
-    urls = [p.url for p in state.processes if p.role != "router"]
-    wants_nixl = TRANSFER_KIND.get(state.mode, ("", ""))[1] == "NIXL telemetry"
-    meters.nixl.append(await _read_nixl(session, urls) if wants_nixl else None)
-
-
-async def _read_nixl(
-    session: aiohttp.ClientSession, urls: list[str]
-) -> NixlTransfers | None:
-    """The NIXL transfer histograms summed over the instances' /metrics."""
-    total = NixlTransfers()
-    try:
-        for url in urls:
-            timeout = aiohttp.ClientTimeout(total=10.0)
-            async with session.get(f"{url}/metrics", timeout=timeout) as resp:
-                resp.raise_for_status()
-                total = total.plus(parse_nixl_transfers(await resp.text()))
-    except (TimeoutError, aiohttp.ClientError):
-        return None
-    return total
-
-
 async def _warm_up(
     plan: Plan,
     run: Run,
@@ -546,6 +534,7 @@ def _result(
                 transfers_in_window(traced.transfers, wall_window(records)),
                 run.link_gbit,
             ),
+            router=measured.meters.legs(w),
         ))  # fmt: skip
     return ConfigResult(
         name=run.name,

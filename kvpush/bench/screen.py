@@ -32,7 +32,7 @@ def print_summary(
     for config in summary.configs:
         if config.status != "ok":
             continue
-        at_link = summary.at_link(config.link_gbit)
+        at_link = summary.at_link(config.link_gbit).in_round(config.round)
         for info in summary.points:
             result = config.point(info.index)
             if result is None:

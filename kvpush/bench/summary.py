@@ -15,6 +15,7 @@ from kvpush.bench.bandwidth import BandwidthStats
 from kvpush.bench.bindings import BindingMix
 from kvpush.bench.links import LinkUsage
 from kvpush.bench.overlap import OverlapStats
+from kvpush.bench.router_legs import RouterLegs
 from kvpush.bench.stats import Dist, PointStats
 from kvpush.bench.timeline import HandoverStats
 from kvpush.bench.writes import DescriptorStats
@@ -55,6 +56,7 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     bandwidth: BandwidthStats | None = None  # per KV transfer
     bindings: BindingMix | None = None  # by the router's response headers
     overlap: OverlapStats | None = None  # kvpush: transfer vs. last forward
+    router: RouterLegs | None = None  # the router's legs (P/D modes)
 
 
 class BackgroundResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,7 +79,8 @@ class ConfigResult(msgspec.Struct, frozen=True, kw_only=True):
     """One configuration's run: ``status`` ok, skipped (unavailable or
     refused before anything started) or failed (with ``reason``);
     ``link_gbit``: the rehearsal links' rate it ran at (None: unshaped, or
-    not a rehearsal)."""
+    not a rehearsal); ``round``: its round of a repeated run (None: not
+    repeated)."""
 
     name: str
     status: Status
@@ -94,18 +97,20 @@ class ConfigResult(msgspec.Struct, frozen=True, kw_only=True):
     binding_counts: dict[str, int] | None = None
     background: BackgroundResult | None = None  # the skewed workload's
     shared_cluster: bool = False  # ran on a kvpush cluster others shared
+    round: int | None = None  # of a repeated run (--repeat)
 
     def point(self, index: int) -> PointResult | None:
         return next((p for p in self.points if p.point == index), None)
 
     @property
     def label(self) -> str:
-        """The name, with the link rate where there is one."""
-        return (
+        """The name, with the link rate and the round where there are."""
+        label = (
             self.name
             if self.link_gbit is None
             else f"{self.name} @{rate(self.link_gbit)}"
         )
+        return label if self.round is None else f"{label}, round {self.round}"
 
 
 def rate(link_gbit: float | None) -> str:
@@ -167,6 +172,22 @@ class BenchSummary(msgspec.Struct, kw_only=True):
         """This summary with only the configurations run at one link rate."""
         return msgspec.structs.replace(
             self, configs=[c for c in self.configs if c.link_gbit == link_gbit]
+        )
+
+    @property
+    def rounds(self) -> list[int | None]:
+        """The rounds that ran, in order (``[None]``: not repeated)."""
+        return list(dict.fromkeys(c.round for c in self.configs)) or [None]
+
+    @property
+    def is_repeated(self) -> bool:
+        """Whether the run had rounds (``--repeat`` 2 or more)."""
+        return any(c.round is not None for c in self.configs)
+
+    def in_round(self, round_: int | None) -> BenchSummary:
+        """This summary with only the configurations run in one round."""
+        return msgspec.structs.replace(
+            self, configs=[c for c in self.configs if c.round == round_]
         )
 
 

@@ -118,7 +118,7 @@ def test_a_run_accounts_for_every_request_of_every_configuration(
     out, repo = tmp_path / "out", tmp_path / "repo"
     argv = [
         "bench", *FAST, "--configs", "colocated,kvpush,vllm-pull,vllm-push",
-        "--output", str(out), "--publish", str(repo),
+        "--output", str(out), "--publish", str(repo), "--repeat", "1",
     ]  # fmt: skip
     assert main(argv) == 1  # kvpush skipped, vllm-pull failed: not all measured
     assert launcher.started == ["colocated", "vllm-pull", "vllm-push"]
