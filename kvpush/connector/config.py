@@ -93,6 +93,10 @@ class ConnectorConfig:
     # --tensor-parallel-size, and this worker's rank (0 in EngineCore)
     tp_size: int = 1
     tp_rank: int = 0
+    # the model's KV heads over every rank (0: unknown: equal TP sizes only),
+    # and whether its cache is MLA's latent one (replicated on every rank)
+    total_kv_heads: int = 0
+    use_mla: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -116,6 +120,8 @@ class ConnectorConfig:
             )
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"TP rank {self.tp_rank} outside TP size {self.tp_size}")
+        if self.total_kv_heads < 0:
+            raise ValueError(f"total_kv_heads must be >= 0, not {self.total_kv_heads}")
         if self.layer_push_min_bytes < 1:
             raise ValueError(
                 "kv_connector_extra_config.layer_push_min_bytes must be >= 1, "
@@ -206,10 +212,25 @@ class ConnectorConfig:
                 ),
                 tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
                 tp_rank=tp_rank,
+                total_kv_heads=_total_kv_heads(vllm_config),
+                use_mla=_uses_mla(vllm_config),
                 **durations,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad KvPushConnector config: {e}") from e
+
+
+def _total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over every TP rank (vLLM's
+    ``ModelConfig.get_total_num_kv_heads``; 0 when the config has none)."""
+    model = getattr(vllm_config, "model_config", None)
+    total = getattr(model, "get_total_num_kv_heads", None)
+    return int(total()) if callable(total) else 0
+
+
+def _uses_mla(vllm_config: Any) -> bool:
+    """vLLM's ``ModelConfig.use_mla`` (False when the config has none)."""
+    return getattr(getattr(vllm_config, "model_config", None), "use_mla", 0) is True
 
 
 def check_nixl_backend(name: str) -> None:

@@ -54,9 +54,11 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvpush.transfer import layout
+
 # The one layout kvpush maps. vLLM asks the connector class for it
 # (``get_required_kvcache_layout``) and uses it when the backends allow.
-REQUIRED_KV_CACHE_LAYOUT = "LBHNC"
+REQUIRED_KV_CACHE_LAYOUT = layout.REQUIRED_KV_CACHE_LAYOUT
 _LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
 
 # vLLM's --kv-cache-dtype strings that kvpush copies, by their element type

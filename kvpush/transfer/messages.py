@@ -55,7 +55,8 @@ from kvpush.transfer.ranks import MAX_TP_SIZE
 # 4: Reconcile; Done also on the side channel. 5: late binding (a
 # Registration may carry the claim token of a PrefillLeg that named no decode).
 # 6: tensor-parallel ranks (Hello names decode's rank and TP size; HelloReply,
-# Done and Failure the prefill rank that says them; a DecodeLeg prefill's TP)
+# Done and Failure the prefill rank that says them; a DecodeLeg prefill's TP;
+# a Hello the model's KV heads, a Registration decode's TP: heterogeneous TP)
 PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
@@ -85,6 +86,7 @@ Text = Annotated[str, msgspec.Meta(max_length=1024)]
 # (:mod:`kvpush.transfer.ranks`); 0 and 1 on an instance without TP.
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+KvHeads = Annotated[int, msgspec.Meta(ge=0, le=2**16)]  # 0: not known
 BlockIds = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=0, lt=2**31)], ...],
     msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
@@ -131,8 +133,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     Hello with a new boot id means decode restarted, and prefill drops every
     registration of the old boot instead of writing into reused memory.
     One Hello per decode worker rank: ``rank`` is the sender's TP rank and
-    ``tp_size`` decode's TP size; prefill refuses a pair of TP sizes or a
-    rank it does not write to (:class:`~kvpush.transfer.ranks.TpPair`)."""
+    ``tp_size`` decode's TP size, ``total_kv_heads`` the model's KV heads
+    (0: not known, which pairs equal TP sizes only); prefill refuses a pair
+    of TP sizes it cannot map, a head count other than its own, or a rank it
+    does not write to (:class:`~kvpush.transfer.ranks.TpPair`)."""
 
     engine_id: Name
     boot_id: Name
@@ -141,6 +145,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     layout: KvLayout
     rank: Rank = 0
     tp_size: TpSize = 1
+    total_kv_heads: KvHeads = 0
 
     def __post_init__(self) -> None:
         if self.rank >= self.tp_size:
@@ -193,7 +198,10 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     ``claim_token`` is the token of the decode's :class:`DecodeLeg`, set
     only for a late-bound transfer: prefill writes a ready KV whose leg
     named no decode only for the registration whose token hashes to the
-    leg's ``claim_sha256`` (see :mod:`kvpush.transfer.matcher`)."""
+    leg's ``claim_sha256`` (see :mod:`kvpush.transfer.matcher`).
+    ``decode_tp`` is decode's TP size: with prefill's own TP size and KV
+    heads it says which decode ranks this prefill rank writes (none: a
+    replicated copy nobody reads, which frees its blocks at once)."""
 
     transfer_id: TransferId
     decode_engine_id: Name
@@ -203,6 +211,7 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
     first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
     claim_token: ClaimToken | None = None
+    decode_tp: TpSize = 1
 
     def __post_init__(self) -> None:
         if len(set(self.dst_block_ids)) != len(self.dst_block_ids):

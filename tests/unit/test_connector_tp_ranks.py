@@ -80,19 +80,25 @@ def test_a_rank_outside_the_tp_size_or_ports_past_65535_are_refused():
         DecodeLeg("t1", "p0", HOST, 65535, prefill_tp=2)
 
 
-def test_homogeneous_tp_maps_rank_r_to_rank_r_and_other_pairs_are_refused():
-    pair = TpPair(4, 4)
-    assert pair.problem() is None
-    assert [pair.targets_of(r) for r in range(4)] == [(0,), (1,), (2,), (3,)]
-    assert [pair.sources_of(r) for r in range(4)] == [(0,), (1,), (2,), (3,)]
+def test_homogeneous_tp_maps_rank_r_to_rank_r_whole_blocks():
+    for pair in (TpPair(4, 4), TpPair(4, 4, total_kv_heads=2)):
+        assert pair.problem() is None
+        assert [pair.target_ranks(r) for r in range(4)] == [{0}, {1}, {2}, {3}]
+        assert [pair.sources_of(r) for r in range(4)] == [{0}, {1}, {2}, {3}]
+        assert all(s.is_whole_block for r in range(4) for s in pair.targets_of(r))
     with pytest.raises(ValueError, match="outside TP size"):
-        pair.sources_of(4)
-    mixed = TpPair(2, 1)
-    assert "heterogeneous tensor parallelism is not yet supported" in (
-        mixed.problem() or ""
-    )
-    with pytest.raises(ValueError, match="not yet supported"):
-        mixed.targets_of(0)
+        TpPair(4, 4).sources_of(4)
+
+
+def test_different_tp_sizes_need_the_heads_and_sizes_that_divide_them():
+    assert "KV heads is unknown" in (TpPair(2, 1).problem() or "")
+    with pytest.raises(ValueError, match="KV heads is unknown"):
+        TpPair(2, 1).targets_of(0)
+    assert TpPair(2, 1, total_kv_heads=2).problem() is None
+    assert "must divide" in (TpPair(3, 2, total_kv_heads=4).problem() or "")
+    assert "NHD-style" in (TpPair(1, 2, 2).problem("LBNHC") or "")
+    assert "MLA" in (TpPair(1, 2, 2).problem(use_mla=True) or "")
+    assert TpPair(2, 2, 2).problem(use_mla=True) is None
 
 
 def test_a_hello_names_its_rank_below_its_tp_size():
@@ -350,7 +356,7 @@ def test_a_decode_of_another_tp_size_is_refused_with_the_reason(rank1: Rig):
     rank1.hello(rank=0, tp_size=1)
     reply = hello_reply(rank1)
     assert not reply.accepted
-    assert "heterogeneous tensor parallelism is not yet supported" in reply.reason
+    assert "differ and the model's number of KV heads is unknown" in reply.reason
     assert rank1.counters.get("rejected.incompatible") == 1
     rank1.register(ttl_s=1.2)
     rank1.ready()

@@ -76,7 +76,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     return fake
 
 
-def make_config(role: str, tp_rank: int = 0, tp_size: int = 1) -> ConnectorConfig:
+def make_config(
+    role: str, tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0
+) -> ConnectorConfig:
     return ConnectorConfig(
         role=role,  # type: ignore[arg-type]
         engine_id="d0" if role == "decode" else "p0",
@@ -86,6 +88,7 @@ def make_config(role: str, tp_rank: int = 0, tp_size: int = 1) -> ConnectorConfi
         registration_ttl_s=TTL_S,
         tp_size=tp_size,
         tp_rank=tp_rank,
+        total_kv_heads=total_kv_heads,
     )
 
 
@@ -181,11 +184,13 @@ def assert_idle(worker: DecodeWorker) -> None:
     assert worker.reserved_blocks() == 0
 
 
-def make_decode(clock: FakeTime, rank: int = 0, tp_size: int = 1) -> Decode:
-    """Decode worker rank ``rank`` (of ``tp_size``) as
-    ``register_kv_caches`` leaves it, NIXL faked; close with
-    :func:`close_decode`."""
-    config = make_config("decode", rank, tp_size)
+def make_decode(
+    clock: FakeTime, rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0
+) -> Decode:
+    """Decode worker rank ``rank`` (of ``tp_size``, the model's KV heads
+    ``total_kv_heads``, 0: not known) as ``register_kv_caches`` leaves it,
+    NIXL faked; close with :func:`close_decode`."""
+    config = make_config("decode", rank, tp_size, total_kv_heads)
     worker = DecodeWorker(config)
     io = FakeNixlIO(config.agent_name, LAYOUT)
     peers = FakePeers()
@@ -203,6 +208,7 @@ def make_decode(clock: FakeTime, rank: int = 0, tp_size: int = 1) -> Decode:
         layout=LAYOUT,
         rank=rank,
         tp_size=tp_size,
+        total_kv_heads=total_kv_heads,
     )
     return Decode(worker, io, peers, clock, heartbeats)
 

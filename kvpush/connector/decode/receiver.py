@@ -126,11 +126,17 @@ class Receiver:
     """Every transfer this decode rank waits on, keyed by transfer id."""
 
     def __init__(
-        self, ttl_s: float, counters: Counters, rank: int = 0, tp_size: int = 1
+        self,
+        ttl_s: float,
+        counters: Counters,
+        rank: int = 0,
+        tp_size: int = 1,
+        total_kv_heads: int = 0,
     ) -> None:
         self._ttl_s = ttl_s
         self._counters = counters
         self._rank, self._tp_size = rank, tp_size  # this decode worker's
+        self._total_kv_heads = total_kv_heads  # the model's (0: not known)
         self._pending: dict[str, _Receive] = {}
         self._ledger = Ledger()
         self._early: dict[str, list[_Early]] = {}  # words before their expect
@@ -140,11 +146,14 @@ class Receiver:
     def sources(self, expect: RecvExpect) -> tuple[Address, ...]:
         """Side channels of the prefill ranks this rank receives
         ``expect`` from (the scheduler refused any TP pair not served)."""
-        pair = TpPair(expect.prefill_tp, self._tp_size)
+        pair = self._pair(expect)
         host, base = expect.prefill_host, expect.prefill_port
         return tuple(
             (host, side_channel_port(base, r)) for r in pair.sources_of(self._rank)
         )
+
+    def _pair(self, expect: RecvExpect) -> TpPair:
+        return TpPair(expect.prefill_tp, self._tp_size, self._total_kv_heads)
 
     def expect(
         self,
@@ -161,7 +170,7 @@ class Receiver:
             self._counters.add("ledger_conflict")
             return
         boots = prefill_boots or {}
-        pair = TpPair(expect.prefill_tp, self._tp_size)
+        pair = self._pair(expect)
         entry = _Receive(expect, now + self._ttl_s + GRACE_S, {})
         for r in pair.sources_of(self._rank):
             entry.awaiting[r] = boots.get(entry.address(r))

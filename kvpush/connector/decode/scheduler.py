@@ -53,6 +53,7 @@ from kvpush.connector.legs import Legs
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
 from kvpush.connector.side_channel import Peers
 from kvpush.connector.trace import Tracer
+from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT
 from kvpush.transfer.messages import (
     Cancel,
     Cause,
@@ -100,7 +101,7 @@ class DecodeScheduler:
         first = self._legs.first_of(rid)
         if first is not None:
             return self._sibling(rid, first, leg), False
-        problem = TpPair(leg.prefill_tp, self.config.tp_size).problem()
+        problem = self._tp_problem(leg)
         if problem is not None:
             self.counters.add("rejected.incompatible")
             logger.error("kvpush: serving %s locally: %s", rid, problem)
@@ -112,6 +113,13 @@ class DecodeScheduler:
             return 0, False
         self._local_hits[rid] = num_computed_tokens
         return num_external, True
+
+    def _tp_problem(self, leg: DecodeLeg) -> str | None:
+        """Why this decode's ranks cannot receive from the leg's prefill TP
+        size (:meth:`TpPair.problem`), or None."""
+        c = self.config
+        pair = TpPair(leg.prefill_tp, c.tp_size, c.total_kv_heads)
+        return pair.problem(REQUIRED_KV_CACHE_LAYOUT, c.use_mla)
 
     def _sibling(self, rid: str, first: str, leg: DecodeLeg) -> int | None:
         """None while ``first``'s receive is pending (within the wait's
@@ -166,6 +174,7 @@ class DecodeScheduler:
             ttl_s=self.config.registration_ttl_s,
             first_block=first,
             claim_token=leg.claim_token,  # late binding: what lets us claim it
+            decode_tp=self.config.tp_size,  # which ranks each prefill rank writes
         )
         self._meta.expects.append(
             RecvExpect(

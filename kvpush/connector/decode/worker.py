@@ -86,7 +86,11 @@ class DecodeWorker:
         self._prefill_boots: dict[Address, str] = {}  # from their HelloReply
         self._to_reconcile: set[Address] = set()  # went down off loopback
         self._receiver = Receiver(
-            config.registration_ttl_s, self.counters, config.tp_rank, config.tp_size
+            config.registration_ttl_s,
+            self.counters,
+            config.tp_rank,
+            config.tp_size,
+            config.total_kv_heads,
         )
         self._heartbeats = Heartbeats(
             config.engine_id,
@@ -109,6 +113,7 @@ class DecodeWorker:
             layout=self._io.layout,
             rank=self.config.tp_rank,
             tp_size=self.config.tp_size,
+            total_kv_heads=self.config.total_kv_heads,
         )
 
     def bind(self, meta: DecodeMetadata) -> None:

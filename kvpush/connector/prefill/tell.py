@@ -112,6 +112,13 @@ class Teller:
             return
         self._reply(route, failure)
 
+    def repeat(self, tid: str, route: bytes) -> None:
+        """Say the final word just said on ``tid`` on ``route`` too (another
+        decode rank asked for it)."""
+        word = self.words.get(tid)
+        if word is not None:
+            self._reply(route, word.message)
+
     def refuse(self, tid: str, cause: Cause, detail: str, route: bytes) -> None:
         """Tell the decode on ``route`` that ``tid`` will never be written
         for it, while the transfer goes on for another decode (it was

@@ -84,6 +84,8 @@ class PrefillWorker:
             peer_timeout_s=self.config.peer_timeout_s,
             tp_size=self.config.tp_size,
             rank=self.config.tp_rank,
+            total_kv_heads=self.config.total_kv_heads,
+            use_mla=self.config.use_mla,
         )
         self._writer = Writer(
             self._io,
