@@ -19,12 +19,15 @@ Accepted, and why the copy is right:
 - PP, DP, DCP and PCP all 1: each worker holds every layer and token of
   its own KV heads.
 - Any TP size: every worker rank is a transfer endpoint
-  (:mod:`kvpush.transfer.ranks`). Prefill's TP size must equal decode's
-  (rank ``r`` writes to rank ``r``), but neither side can know the other's
-  at start-up: a decode refuses a leg naming another ``prefill_tp`` (served
-  locally), and prefill refuses a Hello from a decode of another TP size,
-  with the reason (``rejected.incompatible``; decode falls back and counts
-  ``receive_failed.incompatible``).
+  (:mod:`kvpush.transfer.ranks`). Equal TP sizes map rank ``r`` to rank
+  ``r``; different ones map head slices (:mod:`kvpush.transfer.heads`)
+  when the model's KV heads divide by both sizes (or both are multiples of
+  them), in this LBHNC layout, without MLA. Neither side can know the
+  other's TP size at start-up, so what remains unsupported is refused per
+  pair: a decode serves locally a leg whose ``prefill_tp`` it cannot map,
+  and prefill refuses a Hello (or Registration) it cannot map, or of
+  another head count, with the reason (``rejected.incompatible``; decode
+  falls back and counts ``receive_failed.incompatible``).
 - One KV-cache group whose spec is exactly ``FullAttentionSpec``: every layer
   keeps every token, in the same block ids. Sliding-window or chunked layers
   that vLLM allocates as full attention (hybrid manager off, the default for

@@ -39,6 +39,7 @@ from tests.unit.test_connector_writer import (
     Rig,
     layout,
 )
+from tests.unit.test_connector_writer_stream import chunk
 
 HEAD_BYTES = 64  # one head of one block of one layer
 SRC = (4, 5, 6, 9)  # Rig.ready's prompt blocks
@@ -286,3 +287,28 @@ def test_a_failure_from_one_writer_cancels_the_other(p2d1: Aggregate):
     assert p2d1.step() == {"r1"}
     assert p2d1.load_errors, "the blocks are not used"
     assert_all_idle(p2d1)
+
+
+@pytest.mark.parametrize("cluster", [(1, 2, 2), (2, 1, 2)], indirect=True, ids=str)
+def test_a_streamed_transfer_lands_on_every_target(cluster: Cluster):
+    cluster.say_hellos()
+    for rig in cluster.rigs:
+        rig.io.script_polls("PROC", "PROC", "DONE")  # chunk 1 runs while 2 comes
+        rig.register()
+        chunk(rig, 0, SRC[:2])
+        assert wait_for(lambda rig=rig: rig.io.writes_snapshot())
+        chunk(rig, 2, SRC[2:], final=True)
+    assert all(rig.wait_finished("req-1") for rig in cluster.rigs)
+    assert wait_for(lambda: all(not rig.held() for rig in cluster.rigs))
+    cluster.land()
+    cluster.assert_heads_landed()
+    for d in range(cluster.pair.decode_tp):
+        assert cluster.dones_to(d) == cluster.pair.sources_of(d), "one Done each"
+    for r, rig in enumerate(cluster.rigs):
+        writes = rig.io.writes_snapshot()
+        num_targets = len(cluster.pair.targets_of(r))
+        assert len(writes) >= 2 * num_targets, "per chunk, per target"
+        assert sum(bool(w.notif) for w in writes) == num_targets
+        # each Done goes once no earlier WRITE runs (only its siblings to
+        # the other targets, posted with it, may)
+        assert all(w.running_at_post < num_targets for w in writes if w.notif)
