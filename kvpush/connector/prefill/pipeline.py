@@ -351,12 +351,16 @@ class Pipeline:
             raise RuntimeError(f"matched {m.transfer_id} has no stream")
         targets = self._pair(m.registration.decode_tp).targets_of(self._rank)
         stream.match(m, self._block_size, self._io.layout.num_layers, targets)
-        self._schedule(stream, now + self._faults.post_delay_s())
+        stream.not_before = now + self._faults.post_delay_s()
+        self._schedule(stream, now)
 
-    def _schedule(self, stream: Stream, not_before: float) -> None:
-        """Back to *to post* if an item of this matched stream is due."""
+    def _schedule(self, stream: Stream, now: float) -> None:
+        """Back to *to post* if an item of this matched stream is due (not
+        before the fault file's post delay from the match, for every item:
+        a chunk due only after the match is held back as well)."""
         m = stream.matched
         if m is not None and m.transfer_id not in self._to_post and stream.has_due():
+            not_before = max(now, stream.not_before)
             self._to_post.add(m, not_before, stream.target_ranks)
 
     def _postable(self, tid: str) -> bool:

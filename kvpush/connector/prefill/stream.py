@@ -93,6 +93,7 @@ class Stream:
         self.answer_routes: list[bytes] = []  # decode ranks' Cancels came there
         self.targets: tuple[HeadSlice, ...] = ()  # what goes to which decode rank
         self.done_ranks: set[int] = set()  # targets whose Done WRITE completed
+        self.not_before = 0.0  # fault injection: no WRITE before (from the match)
         self._src: list[int] = []
         self._chunks: list[tuple[int, ReadyFence]] = []  # (blocks known, fence)
         self._num_whole = 0  # leading chunks whose every layer is written
