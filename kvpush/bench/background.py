@@ -96,10 +96,13 @@ def target(load: BackgroundLoad, processes: Sequence[ProcessRecord]) -> ProcessR
 
 @dataclass
 class Driven:
-    """The records of the background requests that ended, as they end."""
+    """The records of the background requests that ended, as they end; and
+    of every one sent, those still in flight filling in as their tokens
+    come (``started``)."""
 
     target: str
     records: list[RequestRecord] = field(default_factory=list)
+    started: list[RequestRecord] = field(default_factory=list)
 
     @property
     def num_ok(self) -> int:
@@ -129,6 +132,7 @@ async def running(
                 bench_id=spec.bench_id, prompt_len=spec.prompt_len,
                 output_len=spec.output_len, scheduled_s=0.0,
             )  # fmt: skip
+            driven.started.append(record)
             await client.send(session, instance.url, spec, record, timeout_s, start)
             driven.records.append(record)
 

@@ -47,6 +47,8 @@ MIN_MEASURED_BYTES = 32 * MIB
 TRACE_DIR = "traces"
 XFER_TIME = "vllm:nixl_xfer_time_seconds"
 XFER_BYTES = "vllm:nixl_bytes_transferred"
+XFER_DESCS = "vllm:nixl_num_descriptors"
+XFER_POST = "vllm:nixl_post_time_seconds"
 Source = Literal["kvpush trace", "NIXL telemetry"]
 # What each configuration's transfer is, and where its timing comes from.
 TRANSFER_KIND: dict[str, tuple[str, Source]] = {
@@ -222,21 +224,28 @@ EMPTY = Histogram(buckets={}, count=0.0, total=0.0)
 
 
 class NixlTransfers(msgspec.Struct, frozen=True, kw_only=True):
-    """vLLM's NIXL transfer histograms of one or more instances."""
+    """vLLM's NIXL transfer histograms of one or more instances: time on
+    the wire, bytes, descriptors and post time per transfer."""
 
     seconds: Histogram = EMPTY
     num_bytes: Histogram = EMPTY
+    num_descs: Histogram = EMPTY
+    post_seconds: Histogram = EMPTY
 
     def minus(self, earlier: NixlTransfers) -> NixlTransfers:
         return NixlTransfers(
             seconds=self.seconds.minus(earlier.seconds),
             num_bytes=self.num_bytes.minus(earlier.num_bytes),
+            num_descs=self.num_descs.minus(earlier.num_descs),
+            post_seconds=self.post_seconds.minus(earlier.post_seconds),
         )
 
     def plus(self, other: NixlTransfers) -> NixlTransfers:
         return NixlTransfers(
             seconds=self.seconds.plus(other.seconds),
             num_bytes=self.num_bytes.plus(other.num_bytes),
+            num_descs=self.num_descs.plus(other.num_descs),
+            post_seconds=self.post_seconds.plus(other.post_seconds),
         )
 
 
@@ -244,7 +253,10 @@ def parse_nixl_transfers(text: str) -> NixlTransfers:
     """The NIXL transfer histograms of one ``/metrics`` text (empty where an
     instance exports none, as kvpush's and colocated ones)."""
     return NixlTransfers(
-        seconds=_histogram(text, XFER_TIME), num_bytes=_histogram(text, XFER_BYTES)
+        seconds=_histogram(text, XFER_TIME),
+        num_bytes=_histogram(text, XFER_BYTES),
+        num_descs=_histogram(text, XFER_DESCS),
+        post_seconds=_histogram(text, XFER_POST),
     )
 
 

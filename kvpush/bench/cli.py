@@ -77,15 +77,34 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--link-gbit", "link_gbit", None, "with --hosts netns: the hosts' shaped "
      "link rates in Gbit/s, e.g. 1,4,10; each rate a fresh set of clusters"),
     ("--workload", "workload", None, "sweep (default); skewed: the sweep with one "
-     "decode kept busy by long plain requests; multi-turn: conversations"),
+     "decode kept busy by long plain requests; multi-turn: conversations; "
+     "fragmented: long prompts on a fresh KV cache and again after a churn "
+     "that scatters decode's free blocks, plain requests decoding meanwhile "
+     "(defaults: --block-size 32, --model-preset kv-heavy, --kv-cache-space-gb "
+     "2, --prompt-len 4000, --concurrency 1, --num-requests 4); saturation: "
+     "decode-bound load past saturation, with goodput (defaults: --prompt-len "
+     "1000, --output-len 256, --qps 2,4,8,12,16)"),
     ("--background-concurrency", "background_concurrency", int,
-     "skewed: plain requests kept in flight on the busy decode (2)"),
+     "skewed, fragmented: plain requests kept in flight on the busy decode (2)"),
     ("--background-prompt-len", "background_prompt_len", int,
-     "skewed: their prompt tokens (64)"),
+     "skewed, fragmented: their prompt tokens (64)"),
     ("--background-output-len", "background_output_len", int,
-     "skewed: their output tokens, ignore_eos (512)"),
+     "skewed, fragmented: their output tokens, ignore_eos (512)"),
     ("--background-decode", "background_decode", int,
-     "skewed: which decode is kept busy (0)"),
+     "skewed, fragmented: which decode is kept busy (0)"),
+    ("--block-size", "block_size", int, "vLLM's --block-size on every instance "
+     "(vLLM's default; the CPU backend takes multiples of 32)"),
+    ("--churn-requests", "churn_requests", int,
+     "fragmented: requests of the churn between the two points (64)"),
+    ("--churn-concurrency", "churn_concurrency", int,
+     "fragmented: churn requests in flight at once (8)"),
+    ("--churn-prompt-len", "churn_prompt_len", None,
+     "fragmented: churn prompt tokens, N or A-B (64-2048)"),
+    ("--churn-output-len", "churn_output_len", None,
+     "fragmented: churn output tokens, N or A-B (2-64)"),
+    ("--churn-abort-fraction", "churn_abort_fraction", float,
+     "fragmented: share of churn requests the client aborts after a random "
+     "number of tokens, closing its connection (0.33)"),
     ("--num-conversations", "num_conversations", int, "multi-turn: conversations (4)"),
     ("--num-turns", "num_turns", int, "multi-turn: turns per conversation (6)"),
     ("--conversation-concurrency", "conversation_concurrency", int,
@@ -93,6 +112,10 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--history-len", "history_len", int, "multi-turn: turn 1's prompt tokens (1200)"),
     ("--turn-len", "turn_len", int,
      "multi-turn: new user tokens per later turn (130, about 100 words)"),
+    ("--slo-ttft-ms", "slo_ttft_ms", float, "saturation: a request meets the "
+     "goodput SLO with TTFT at most this (250)"),
+    ("--slo-tpot-ms", "slo_tpot_ms", float, "saturation: ... and TPOT at most "
+     "this (20)"),
     ("--repeat", "repeat", int, "rounds: every configuration once per round, "
      "in the same order (A B C D, A B C D, ...), each on a fresh cluster; ratios "
      "to vllm-pull as median [min-max] over rounds (1; with --publish "

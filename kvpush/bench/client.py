@@ -11,6 +11,8 @@ mid-character); the usage chunk does not. The choice's ``finish_reason``
 is kept, and so are the generated token ids when the request asked for them
 (``return_token_ids``), the router's ``x-kvpush-binding`` and
 ``x-kvpush-decode`` headers, and a conversation's ``x-session-id`` is sent.
+A request planned to be aborted (``abort_after_tokens``) closes its
+connection after that many token chunks and ends as error ``aborted``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import aiohttp
 
 from kvpush.bench.bindings import BINDING_HEADER, DECODE_HEADER
 from kvpush.bench.records import (
+    ABORTED,
     CONNECT,
     INCOMPLETE,
     NO_TOKENS,
@@ -94,13 +97,18 @@ async def _exchange(
             _fail(record, f"http_{resp.status}", text)
             _note_error_message(record, _decode(text.encode()))
             return
-        await _read_stream(resp, record, start)
+        await _read_stream(resp, record, start, spec.abort_after_tokens)
 
 
 async def _read_stream(
-    resp: aiohttp.ClientResponse, record: RequestRecord, start: float
+    resp: aiohttp.ClientResponse,
+    record: RequestRecord,
+    start: float,
+    abort_after_tokens: int | None = None,
 ) -> None:
-    """Read SSE lines until ``[DONE]``, timing every token chunk."""
+    """Read SSE lines until ``[DONE]``, timing every token chunk; or, given
+    ``abort_after_tokens``, until that many token chunks came, then close
+    the connection (the server sees the client gone and aborts)."""
     async for raw in resp.content:
         now = time.perf_counter() - start
         line = raw.strip()
@@ -121,6 +129,12 @@ async def _read_stream(
             record.token_times_s.append(now)
             _note_finish(record, choices)
             _note_token_ids(record, choices)
+            if abort_after_tokens is not None and (
+                len(record.token_times_s) >= abort_after_tokens
+            ):
+                resp.close()
+                _fail(record, ABORTED, f"closed after {abort_after_tokens} tokens")
+                return
         _note_usage(record, event.get("usage"))
     _fail(record, INCOMPLETE, "the stream ended without [DONE]")
 

@@ -21,6 +21,12 @@ from kvpush.bench.names import (
     cluster_of,
     unknown_names_message,
 )
+from kvpush.bench.workloads import (
+    SHARED_CLUSTER_WORKLOADS,
+    WORKLOADS,
+    check_workload,
+    workload_defaults,
+)
 from kvpush.model.presets import PRESETS as MODEL_PRESETS
 from kvpush.model.presets import preset as model_preset_of
 from kvpush.router.binding import check_policy
@@ -31,10 +37,10 @@ HOSTS = ("local", "netns")  # as kvpush up --hosts
 MAX_LINK_GBIT = 100.0  # as kvpush up --link-gbit
 MAX_REPEAT = 20  # rounds
 DEFAULT_CONFIGS = ("colocated", "vllm-pull", "vllm-push", "kvpush")
-__all__ = ["BINDING_CONFIGS", "CONFIG_NAMES", "GRANULARITY_CONFIGS", "cluster_of"]
-# sweep: the load sweep; skewed: the same with one decode kept busy by long
-# plain requests; multi-turn: conversations whose turns extend each other
-WORKLOADS = ("sweep", "skewed", "multi-turn")
+__all__ = [
+    "BINDING_CONFIGS", "CONFIG_NAMES", "GRANULARITY_CONFIGS", "WORKLOADS",
+    "cluster_of",
+]  # fmt: skip
 
 # Presets are partial configs applied before the file and the flags.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -123,6 +129,14 @@ class BenchConfig:
     turn_len: int = 130
     share_kvpush_cluster: bool | None = None
     repeat: int = 1
+    block_size: int | None = None
+    churn_requests: int = 64
+    churn_concurrency: int = 8
+    churn_prompt_len: str = "64-2048"
+    churn_output_len: str = "2-64"
+    churn_abort_fraction: float = 0.33
+    slo_ttft_ms: float = 250.0
+    slo_tpot_ms: float = 20.0
 
     def __post_init__(self) -> None:
         self._check_configs()
@@ -218,14 +232,7 @@ class BenchConfig:
                     raise ValueError(f"configuration {name}: {e}") from e
 
     def _check_workload(self) -> None:
-        require(
-            self.workload in WORKLOADS,
-            f"workload must be one of {', '.join(WORKLOADS)}, not {self.workload!r}",
-        )
-        if self.workload == "skewed":
-            self._check_background()
-        if self.workload == "multi-turn":
-            self._check_conversations()
+        check_workload(self)
         if self.shares_kvpush_cluster:
             self._check_router_ports()
             streamed = [c for c in self.configs if c in GRANULARITY_CONFIGS]
@@ -241,7 +248,7 @@ class BenchConfig:
         """Whether the kvpush configurations share one cluster, each through
         a router of its own (None: for the skewed and multi-turn workloads)."""
         if self.share_kvpush_cluster is None:
-            return self.workload != "sweep"
+            return self.workload in SHARED_CLUSTER_WORKLOADS
         return self.share_kvpush_cluster
 
     def _check_router_ports(self) -> None:
@@ -255,44 +262,6 @@ class BenchConfig:
                 f"the extra routers' ports {self.port + 1}.. collide with "
                 f"{name}'s range; move --port or --{name.replace('_', '-')}",
             )
-
-    def _check_background(self) -> None:
-        require(
-            self.num_decode >= 2,
-            "the skewed workload keeps one decode busy and needs another: "
-            "give --decode 2 or more",
-        )
-        require(
-            0 <= self.background_decode < self.num_decode,
-            f"background_decode must name a decode, 0..{self.num_decode - 1}",
-        )
-        for name in ("background_concurrency", "background_prompt_len"):
-            require(getattr(self, name) >= 1, f"{name} must be at least 1")
-        require(self.background_output_len >= 2, "background_output_len must be >= 2")
-        require(
-            self.background_prompt_len + self.background_output_len
-            <= self.max_model_len,
-            "background_prompt_len + background_output_len exceed max_model_len",
-        )
-
-    def _check_conversations(self) -> None:
-        for name in ("num_conversations", "conversation_concurrency", "history_len"):
-            require(getattr(self, name) >= 1, f"{name} must be at least 1")
-        require(self.num_turns >= 2, "num_turns must be at least 2 (turn 2+)")
-        require(self.turn_len >= 1, "turn_len must be at least 1")
-        require(
-            self.output_spec.max_value is not None,
-            "the multi-turn workload needs output_len N or A-B, not a trace",
-        )
-        longest_answer = self.output_spec.max_value or 0
-        turns = self.num_turns - 1
-        longest = self.history_len + turns * (longest_answer + self.turn_len)
-        require(
-            longest + longest_answer <= self.max_model_len,
-            f"the last turn's prompt ({longest} tokens) + output exceed "
-            f"max_model_len {self.max_model_len}; lower history_len, turn_len "
-            "or num_turns, or raise max_model_len",
-        )
 
     def _check_load(self) -> None:
         require(
@@ -377,7 +346,10 @@ _TUPLES = {
     "prompt_len_sweep": int,
     "link_gbit": float,
 }
-_STRINGS = ("prompt_len", "output_len", "hosts", "workload", "model_preset")
+_STRINGS = (
+    "prompt_len", "output_len", "hosts", "workload", "model_preset",
+    "churn_prompt_len", "churn_output_len",
+)  # fmt: skip
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -397,6 +369,7 @@ def make_config(*layers: dict[str, Any]) -> BenchConfig:
                 f"unknown bench settings {unknown}; known: {sorted(FIELD_NAMES)}"
             )
         values.update(layer)
+    values.update(workload_defaults(values))
     if values.get("model_preset") is not None:
         chosen = model_preset_of(str(values["model_preset"]))
         values.setdefault("max_model_len", chosen.max_model_len)

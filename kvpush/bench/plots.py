@@ -7,7 +7,12 @@
   from its own send: waiting for the first token, then decoding, with the
   server's handover phases drawn inside where timelines exist;
 - on a prompt-length sweep, the handover overhead (TTFT p50 − colocated's)
-  against prompt length, one line per P/D configuration (and link rate).
+  against prompt length, one line per P/D configuration (and link rate);
+- for the saturation workload, goodput against the offered load.
+
+A repeated run (``--repeat``) draws each configuration's median over the
+rounds with min–max bars; its CDFs pool the rounds, its timeline is the
+first round's.
 
 On a rehearsal swept over link rates every configuration at every rate is
 a series of its own (``kvpush @4 Gbit/s``); with a single sweep point,
@@ -28,12 +33,19 @@ import matplotlib.pyplot as plt
 
 from kvpush.bench.records import RequestRecord
 from kvpush.bench.report import AXIS_NAMES, plot_axis, plot_files
-from kvpush.bench.report_rounds import Getter, figure_spread, overhead_of, stat_of
+from kvpush.bench.report_rounds import (
+    Getter,
+    figure_spread,
+    goodput_of,
+    overhead_of,
+    stat_of,
+)
 from kvpush.bench.stats import ttft_s
 from kvpush.bench.summary import BenchSummary, ConfigResult
 from kvpush.bench.timeline import MATCHED, Timeline
 
 DPI = 80
+CATEGORICAL_AXES = ("cache", "turn")  # points named, not measured on a scale
 _COLORS = (
     "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
     "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan",
@@ -56,7 +68,7 @@ def write_plots(
     num_timeline_requests: int = 8,
 ) -> list[Path]:
     """Write every plot into ``out_dir``; returns their paths."""
-    files = plot_files(plot_axis(summary))
+    files = plot_files(plot_axis(summary), summary.settings.get("workload", "sweep"))
     # a repeated run: one series per configuration (its first round's), the
     # median over rounds with min-max bars; CDFs pool every round
     runs = [c for c in summary.in_round(summary.rounds[0]).configs if c.status == "ok"]
@@ -70,7 +82,29 @@ def write_plots(
     ]
     if "overhead" in files:
         written.append(_overhead(summary, runs, out_dir / files["overhead"]))
+    if "goodput" in files:
+        written.append(_goodput(summary, runs, out_dir / files["goodput"]))
     return written
+
+
+def _goodput(summary: BenchSummary, runs: Sequence[ConfigResult], path: Path) -> Path:
+    """Goodput against the offered load, a line per configuration."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    xs = [p.x for p in summary.points]
+    ax.plot(xs, xs, ":", color="black", linewidth=0.8, label="offered")
+    for run in runs:
+        series = _over_rounds(summary, run, goodput_of)
+        _draw(ax, xs, series, "-o", _color(runs, run), _series_label(run))
+    ax.set_xlabel(AXIS_NAMES.get(summary.axis, summary.axis))
+    ax.set_ylabel("goodput (req/s meeting the SLO)")
+    s = summary.settings
+    ax.set_title(
+        f"Goodput: TTFT ≤ {s.get('slo_ttft_ms', 0):g} ms, "
+        f"TPOT ≤ {s.get('slo_tpot_ms', 0):g} ms", fontsize="medium",
+    )  # fmt: skip
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
 
 
 def _overhead(summary: BenchSummary, runs: Sequence[ConfigResult], path: Path) -> Path:
@@ -159,6 +193,8 @@ def _against_axis(
             label = f"{_series_label(run)} {pct}"
             _draw(ax, xs, series, style, _color(runs, run), label)
     ax.set_xlabel(AXIS_NAMES.get(summary.axis, summary.axis))
+    if summary.axis in CATEGORICAL_AXES:
+        ax.set_xticks(xs, [p.label for p in summary.points])
     ax.set_ylabel(f"{what} (ms)")
     rounds = (
         f", median and min–max of {len(summary.rounds)} rounds"

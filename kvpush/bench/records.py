@@ -23,6 +23,7 @@ CONNECT = "connect"
 STREAM_ERROR = "stream_error"
 INCOMPLETE = "incomplete"
 NO_TOKENS = "no_tokens"
+ABORTED = "aborted"  # the client closed the connection on purpose (a churn)
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvpush.bench.report_fragment import fragment_sections
 from kvpush.bench.report_net import hosts_line, rehearsal_sections
 from kvpush.bench.report_rounds import rounds_section
+from kvpush.bench.report_saturation import saturation_sections
 from kvpush.bench.report_scenario import scenario_sections, workload_line
 from kvpush.bench.report_sweep import sweep_sections
 from kvpush.bench.sections import demote_headings
@@ -31,6 +33,7 @@ AXIS_NAMES = {
     "prompt_len": "prompt length",
     "link_gbit": "link rate (Gbit/s)",
     "turn": "turn (1, 2+)",
+    "cache": "KV cache (fresh, after churn)",
 }
 
 
@@ -43,9 +46,10 @@ def plot_axis(summary: BenchSummary) -> str:
     return summary.axis
 
 
-def plot_files(axis: str) -> dict[str, str]:
+def plot_files(axis: str, workload: str = "sweep") -> dict[str, str]:
     """Plot name -> file name, for a sweep over ``axis`` (a prompt-length
-    sweep also draws the handover overhead)."""
+    sweep also draws the handover overhead, the saturation workload its
+    goodput)."""
     files = {
         "ttft": f"ttft_vs_{axis}.png",
         "tpot": f"tpot_vs_{axis}.png",
@@ -54,6 +58,8 @@ def plot_files(axis: str) -> dict[str, str]:
     }
     if axis == "prompt_len":
         files["overhead"] = "overhead_vs_prompt_len.png"
+    if workload == "saturation":
+        files["goodput"] = f"goodput_vs_{axis}.png"
     return files
 
 
@@ -88,6 +94,8 @@ def _joined(parts: Sequence[str]) -> str:
 def _measured(summary: BenchSummary) -> list[str]:
     """Everything measured, section by section (one round's, when repeated)."""
     parts = scenario_sections(summary, table)
+    parts += fragment_sections(summary, table)
+    parts += saturation_sections(summary, table)
     parts += rehearsal_sections(summary, table)
     parts += sweep_sections(summary, table)
     for link in summary.link_rates:
@@ -379,12 +387,14 @@ def _load_table(summary: BenchSummary) -> str:
 def _plots(summary: BenchSummary, image_dir: str) -> str:
     prefix = f"{image_dir.rstrip('/')}/" if image_dir else ""
     axis = AXIS_NAMES.get(plot_axis(summary), plot_axis(summary))
-    files = plot_files(plot_axis(summary))
+    files = plot_files(plot_axis(summary), summary.settings.get("workload", "sweep"))
     overhead = (
         [f"![Handover overhead against {axis}]({prefix}{files['overhead']})"]
         if "overhead" in files
         else []
     )
+    if "goodput" in files:
+        overhead.append(f"![Goodput against {axis}]({prefix}{files['goodput']})")
     return "\n\n".join([
         "## Plots",
         *overhead,

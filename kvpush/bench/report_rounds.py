@@ -55,6 +55,14 @@ def _router_handover(
     return None if legs is None else legs.handover_mean_ms
 
 
+def goodput_of(
+    s: BenchSummary, name: str, link: float | None, point: int
+) -> float | None:
+    """Goodput in requests/s (the saturation workload's)."""
+    result = _point(s, name, link, point)
+    return None if result is None or result.goodput is None else result.goodput.per_s
+
+
 # (column, figure); each column's ratio is taken within a round.
 FIGURES: tuple[tuple[str, Getter], ...] = (
     ("TTFT p50", stat_of("ttft_ms", "p50")),
@@ -63,6 +71,7 @@ FIGURES: tuple[tuple[str, Getter], ...] = (
     ("TPOT p99", stat_of("tpot_ms", "p99")),
     ("overhead", overhead_of),
     ("router handover", _router_handover),
+    ("goodput", goodput_of),
 )
 
 
@@ -187,14 +196,18 @@ def _ratio_table(
     ]
     return (
         f"### Ratios to {REFERENCE} over rounds\n\nBelow 1 = better than "
-        f"{REFERENCE}.\n\n" + table(header, rows)
+        f"{REFERENCE} (goodput: above 1).\n\n" + table(header, rows)
     )
+
+
+def _unit(label: str) -> str:
+    return f"{label} req/s" if label == "goodput" else f"{label} ms"
 
 
 def _figure_table(
     summary: BenchSummary, columns: list[tuple[str, Getter]], table: Table
 ) -> str:
-    header = ["point", "config", *(f"{label} ms" for label, _ in columns)]
+    header = ["point", "config", *(_unit(label) for label, _ in columns)]
     rows = [
         [
             label,
@@ -207,7 +220,7 @@ def _figure_table(
         for link, point, label, name in _rows(summary)
     ]
     return (
-        "### Each figure over rounds\n\nMedian [min–max] over the rounds, in "
-        "ms: the spread between rounds is this machine's noise on that "
-        "figure.\n\n" + table(header, rows)
+        "### Each figure over rounds\n\nMedian [min–max] over the rounds: the "
+        "spread between rounds is this machine's noise on that figure.\n\n"
+        + table(header, rows)
     )

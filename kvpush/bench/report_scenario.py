@@ -1,6 +1,6 @@
-"""The report's parts for the skewed and multi-turn workloads: what was
-sent, how kvpush's routers bound it, and what the background load did.
-Pure rendering of a :class:`BenchSummary` (nothing for the sweep)."""
+"""The report's parts for the skewed, multi-turn and fragmented workloads:
+what was sent, how kvpush's routers bound it, and what the background load
+did. Pure rendering of a :class:`BenchSummary` (nothing for the sweep)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpush.bench.bindings import describe_counts, describe_share
+from kvpush.bench.report_fragment import workload_line as fragmented_line
+from kvpush.bench.report_saturation import workload_line as saturation_line
 from kvpush.bench.summary import BenchSummary
 
 Table = Callable[[Sequence[str], Sequence[Sequence[str]]], str]
@@ -17,6 +19,10 @@ WORDS_PER_TOKEN = 0.75  # about, for English text
 def workload_line(s: dict[str, Any]) -> str | None:
     """Setup's workload line for a scenario (None for the sweep)."""
     workload = s.get("workload", "sweep")
+    if workload == "fragmented":
+        return fragmented_line(s)
+    if workload == "saturation":
+        return saturation_line(s)
     if workload == "skewed":
         return (
             f"skewed: the sweep below through the router, while "

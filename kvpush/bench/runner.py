@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -29,28 +28,26 @@ from pathlib import Path
 import aiohttp
 import msgspec
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress
 
 from kvpush.bench import background, client, conversation, loadgen, rounds, scenario
 from kvpush.bench.bandwidth import (
     TRANSFER_KIND,
     BandwidthStats,
-    TransferSample,
     from_nixl,
     from_samples,
     in_window,
-    read_write_samples,
 )
 from kvpush.bench.bindings import Counts, count_delta
+from kvpush.bench.churn import CHURN_FILE
 from kvpush.bench.clusters import Clusters, Run, share_runs
 from kvpush.bench.config import BenchConfig
+from kvpush.bench.fragment import (
+    FragmentPoint,
+    churn_result,
+    fragment_point,
+)
+from kvpush.bench.goodput import Goodput, Slo, goodput
 from kvpush.bench.inputs import (
     describe_model,
     load_traces,
@@ -60,9 +57,9 @@ from kvpush.bench.inputs import (
 from kvpush.bench.links import LinkUsage, link_usage
 from kvpush.bench.meters import Meters, read_meters
 from kvpush.bench.names import cluster_of, granularity_of
-from kvpush.bench.overlap import TransferTrace, read_transfers
 from kvpush.bench.overlap import in_window as transfers_in_window
 from kvpush.bench.overlap import summarize as summarize_overlap
+from kvpush.bench.progress import advance, make_progress
 from kvpush.bench.records import (
     REQUESTS_FILE,
     RequestRecord,
@@ -80,7 +77,8 @@ from kvpush.bench.summary import (
     WarmupResult,
     save_summary,
 )
-from kvpush.bench.timeline import TimelineSet, read_timelines, summarize_handover
+from kvpush.bench.timeline import summarize_handover
+from kvpush.bench.traced import Traced, descriptor_stats, read_traced
 from kvpush.bench.workload import (
     PointWorkload,
     build_point,
@@ -88,7 +86,7 @@ from kvpush.bench.workload import (
     check_fits,
     sweep_points,
 )
-from kvpush.bench.writes import DescriptorStats, read_write_sizes, summarize_writes
+from kvpush.bench.workloads import BACKGROUND_WORKLOADS
 from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher import ClusterConfig
 from kvpush.launcher.state import RunState
@@ -142,8 +140,9 @@ def prepare(config: BenchConfig, console: Console) -> Plan:
         name: scenario.plan_requests(config, name, vocab, traces)
         for name in config.configs
     }
+    churns = [r.churn for r in salted.values() if r.churn is not None]
     check_fits(
-        [*points, warmup, *(w for r in salted.values() for w in r.points)],
+        [*points, warmup, *(w for r in salted.values() for w in r.points), *churns],
         config.max_model_len,
     )
     runs = plan_runs(config, model, out_dir)
@@ -218,10 +217,16 @@ def cluster_config(
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_space_gb=config.kv_cache_space_gb,
         startup_timeout_s=config.startup_timeout_s,
+        extra_vllm_args=block_size_args(config.block_size),
         hosts=config.hosts,
         link_gbit=link_gbit,
         push_granularity=granularity,
     )
+
+
+def block_size_args(block_size: int | None) -> tuple[str, ...]:
+    """vLLM's arguments for a block size (none: vLLM's default)."""
+    return () if block_size is None else ("--block-size", str(block_size))
 
 
 def run_bench(plan: Plan, console: Console, command: str) -> BenchSummary:
@@ -298,12 +303,12 @@ def _run_config(
         with console.status(f"stopping {label}"):
             clusters.stop(run)
     if run.is_shared:  # its traces mix every run on the cluster: left out
-        return _result(plan, run, state, measured, monitor, Traced(TimelineSet(), []))
+        return _result(plan, run, state, measured, monitor, Traced())
     # Timelines are read once the cluster has stopped: a server may flush
     # them on the way out.
-    traced = _traced(run, console)
+    traced = read_traced(run.run_dir, run.name, console)
     result = _result(plan, run, state, measured, monitor, traced)
-    writes = _descriptor_stats(run.run_dir, Path(state.model), console)
+    writes = descriptor_stats(run.run_dir, Path(state.model), console)
     return msgspec.structs.replace(result, descriptors=writes)
 
 
@@ -314,41 +319,22 @@ def _label(run: Run) -> str:
     return label if run.round is None else f"{label}, round {run.round}"
 
 
-def _descriptor_stats(
-    run_dir: Path, model_dir: Path, console: Console
-) -> DescriptorStats | None:
-    """Descriptor counts of the WRITEs the configuration traced, if any."""
-    try:
-        num_layers = int(
-            json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-        )
-        return summarize_writes(read_write_sizes(run_dir), num_layers)
-    except (OSError, ValueError, KeyError) as e:
-        console.print(f"[bold yellow]write sizes ignored:[/] {e}")
-        return None
+# Takes a resource mark and meter readings; returns the mark's index.
+Checkpoint = Callable[[], Awaitable[int]]
 
 
 @dataclass(frozen=True)
-class Traced:
-    """What a configuration's servers traced: timelines and WRITE times."""
+class Outcome:
+    """The measured requests: per point, with the mark its window starts at
+    (None: the i-th, or the last window there is), and the churn's."""
 
-    timelines: TimelineSet
-    writes: list[TransferSample]
-    transfers: list[TransferTrace] = dataclasses.field(default_factory=list)
+    records: list[list[RequestRecord]]
+    starts: list[int] | None = None
+    churn: list[RequestRecord] = dataclasses.field(default_factory=list)
 
-
-def _traced(run: Run, console: Console) -> Traced:
-    try:
-        timelines = read_timelines(run.run_dir)
-        writes = read_write_samples(run.run_dir) if timelines else []
-        transfers = read_transfers(run.run_dir) if timelines else []
-    except (OSError, ValueError) as e:
-        console.print(f"[bold yellow]{run.name}: server timelines ignored:[/] {e}")
-        return Traced(TimelineSet(), [])
-    return Traced(timelines, writes, transfers)
-
-
-Checkpoint = Callable[[], Awaitable[None]]  # a resource mark and meter readings
+    def start(self, point: int, num_marks: int) -> int:
+        """The mark point ``point``'s window starts at."""
+        return self.starts[point] if self.starts else min(point, num_marks - 2)
 
 
 @dataclass(frozen=True)
@@ -356,11 +342,15 @@ class Measured:
     """What one configuration's run produced, before any statistics."""
 
     warmup: WarmupResult
-    records: list[list[RequestRecord]]  # per point
-    marks: list[Mark]  # before the first point and after each
+    outcome: Outcome
+    marks: list[Mark]  # before the first point and after each (and the churn)
     meters: Meters
     binding_counts: Counts | None = None  # the router's, over the whole run
-    background: background.Driven | None = None  # the skewed workload's
+    background: background.Driven | None = None  # skewed, fragmented
+
+    @property
+    def records(self) -> list[list[RequestRecord]]:
+        return self.outcome.records
 
 
 def _failed(run: Run, error: BaseException) -> ConfigResult:
@@ -381,29 +371,32 @@ async def _measure(
         warmup = await _warm_up(plan, run, state, session, console)
         marks: list[Mark] = []
 
-        async def checkpoint() -> None:
+        async def checkpoint() -> int:
             marks.append(monitor.mark())
             await read_meters(meters, state, session)
+            return len(marks) - 1
 
         async with _background(plan, run, state, session) as driven:
             before = await scenario.read_binding_counts(session, state.router_url)
             await checkpoint()
-            with _progress(console) as progress:
+            with make_progress(console) as progress:
                 measure = _converse if plan.config.workload == "multi-turn" else _sweep
-                measured = await measure(
-                    plan, run, state, session, progress, checkpoint
-                )
+                outcome = await measure(plan, run, state, session, progress, checkpoint)
             after = await scenario.read_binding_counts(session, state.router_url)
-    for records in measured:
-        for record in records:
-            record.link_gbit, record.round = run.link_gbit, run.round
-        write_records(plan.out_dir / REQUESTS_FILE, records)
+    for records in outcome.records:
+        _write(plan.out_dir / REQUESTS_FILE, run, records)
+    if outcome.churn:
+        _write(plan.out_dir / CHURN_FILE, run, outcome.churn)
     if driven is not None:
-        for record in driven.records:
-            record.link_gbit, record.round = run.link_gbit, run.round
-        write_records(plan.out_dir / background.BACKGROUND_FILE, driven.records)
+        _write(plan.out_dir / background.BACKGROUND_FILE, run, driven.records)
     counts = None if before is None or after is None else count_delta(before, after)
-    return Measured(warmup, measured, marks, meters, counts, driven)
+    return Measured(warmup, outcome, marks, meters, counts, driven)
+
+
+def _write(path: Path, run: Run, records: list[RequestRecord]) -> None:
+    for record in records:
+        record.link_gbit, record.round = run.link_gbit, run.round
+    write_records(path, records)
 
 
 async def _sweep(
@@ -413,22 +406,40 @@ async def _sweep(
     session: aiohttp.ClientSession,
     progress: Progress,
     checkpoint: Checkpoint,
-) -> list[list[RequestRecord]]:
-    """Every point in turn, a checkpoint after each."""
-    measured = []
-    for workload in plan.requests_of(run.name).points:
-        task = progress.add_task(
-            f"{_label(run)} {workload.point.label}",
-            total=len(workload.requests),
-            errors=0,
-        )
-        records = await loadgen.run_point(
-            session, state.router_url, workload, run.name,
-            plan.config.request_timeout_s, _advance(progress, task),
-        )  # fmt: skip
-        await checkpoint()
-        measured.append(records)
-    return measured
+) -> Outcome:
+    """Every point in turn, a checkpoint after each; the fragmented
+    workload's churn (and a checkpoint) before its second point."""
+    requests = plan.requests_of(run.name)
+    records: list[list[RequestRecord]] = []
+    starts, churn, mark = [], [], 0  # mark 0: taken before the first point
+    for i, workload in enumerate(requests.points):
+        if i == 1 and requests.churn is not None:
+            churn = await _run(plan, run, state, session, progress, requests.churn)
+            mark = await checkpoint()
+        records.append(await _run(plan, run, state, session, progress, workload))
+        starts.append(mark)
+        mark = await checkpoint()
+    return Outcome(records, starts, churn)
+
+
+async def _run(
+    plan: Plan,
+    run: Run,
+    state: RunState,
+    session: aiohttp.ClientSession,
+    progress: Progress,
+    workload: PointWorkload,
+) -> list[RequestRecord]:
+    """One point's requests (or the churn's), with a progress bar."""
+    task = progress.add_task(
+        f"{_label(run)} {workload.point.label}",
+        total=len(workload.requests),
+        errors=0,
+    )
+    return await loadgen.run_point(
+        session, state.router_url, workload, run.name,
+        plan.config.request_timeout_s, advance(progress, task),
+    )  # fmt: skip
 
 
 async def _converse(
@@ -438,7 +449,7 @@ async def _converse(
     session: aiohttp.ClientSession,
     progress: Progress,
     checkpoint: Checkpoint,
-) -> list[list[RequestRecord]]:
+) -> Outcome:
     """Every conversation, then one checkpoint: its first turns and later
     turns overlap in time and share one window."""
     config, conversations = plan.config, plan.requests_of(run.name).conversations
@@ -449,19 +460,19 @@ async def _converse(
     )
     measured = await loadgen.run_conversations(
         session, state.router_url, conversations, config.conversation_concurrency,
-        run.name, config.request_timeout_s, _advance(progress, task),
+        run.name, config.request_timeout_s, advance(progress, task),
     )  # fmt: skip
     await checkpoint()
-    return measured
+    return Outcome(measured)
 
 
 @contextlib.asynccontextmanager
 async def _background(
     plan: Plan, run: Run, state: RunState, session: aiohttp.ClientSession
 ) -> AsyncIterator[background.Driven | None]:
-    """The skewed workload's background load around the block (None, and
-    nothing sent, for the other workloads)."""
-    if plan.config.workload != "skewed":
+    """The background load of the skewed and fragmented workloads around
+    the block (None, and nothing sent, for the other workloads)."""
+    if plan.config.workload not in BACKGROUND_WORKLOADS:
         yield None
         return
     load = background.BackgroundLoad.of(
@@ -518,7 +529,7 @@ def _result(
     for i, (workload, records) in enumerate(
         zip(plan.points, measured.records, strict=True)
     ):
-        w = min(i, len(marks) - 2)  # its window: marks[w] to marks[w + 1]
+        w = measured.outcome.start(i, len(marks))  # window: marks[w] to [w + 1]
         points.append(PointResult(
             point=workload.point.index,
             stats=summarize_point(records),
@@ -535,6 +546,8 @@ def _result(
                 run.link_gbit,
             ),
             router=measured.meters.legs(w),
+            fragment=_fragment(plan, measured, traced, w, wall_window(records)),
+            goodput=_goodput(plan.config, records),
         ))  # fmt: skip
     return ConfigResult(
         name=run.name,
@@ -549,7 +562,28 @@ def _result(
         binding_counts=measured.binding_counts,
         background=scenario.background_result(measured.background),
         shared_cluster=run.is_shared,
+        churn=churn_result(measured.outcome.churn) if measured.outcome.churn else None,
     )
+
+
+def _goodput(config: BenchConfig, records: list[RequestRecord]) -> Goodput | None:
+    """The saturation workload's goodput at the configured SLO."""
+    if config.workload != "saturation":
+        return None
+    slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
+    return goodput(records, slo, summarize_point(records).duration_s)
+
+
+def _fragment(
+    plan: Plan, measured: Measured, traced: Traced, w: int, window: tuple[float, float]
+) -> FragmentPoint | None:
+    """The fragmented workload's figures of the window from mark ``w``."""
+    if plan.config.workload != "fragmented":
+        return None
+    nixl = measured.meters.nixl[w], measured.meters.nixl[w + 1]
+    driven = measured.background
+    started = driven.started if driven is not None else None
+    return fragment_point(nixl, traced.kvpush_writes, started, window)
 
 
 def _links(
@@ -590,26 +624,3 @@ def _bandwidth(
     if before is None or after is None:
         return None
     return from_nixl(after.minus(before), kind, run.link_gbit)
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[errors]} errors"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-
-
-def _advance(progress: Progress, task: TaskID) -> loadgen.OnDone:
-    """Move the point's bar on, counting failed requests."""
-    num_errors = 0
-
-    def on_done(record: RequestRecord) -> None:
-        nonlocal num_errors
-        num_errors += not record.is_ok
-        progress.update(task, advance=1, errors=num_errors)
-
-    return on_done

@@ -1,9 +1,11 @@
-"""What the skewed and multi-turn workloads add to a run, beside the sweep.
+"""What the skewed, multi-turn and fragmented workloads add to a run,
+beside the sweep.
 
 - Each configuration's own draw of requests (:func:`plan_requests`): where
   the kvpush configurations share one cluster, every configuration's token
   ids are drawn with its name as salt (same lengths, arrivals and turns),
-  so no run hits the prefix cache an earlier one filled.
+  so no run hits the prefix cache an earlier one filled; for the
+  fragmented workload also its churn (:mod:`kvpush.bench.churn`).
 - The router's binding counter, read around the measured run
   (:func:`read_binding_counts`), and the header mix of each point.
 - The background load's outcome (:func:`background_result`).
@@ -19,6 +21,7 @@ import aiohttp
 from kvpush.bench import conversation
 from kvpush.bench.background import Driven
 from kvpush.bench.bindings import BindingMix, Counts, header_mix, parse_counts
+from kvpush.bench.churn import Churn, churn_workload
 from kvpush.bench.config import BenchConfig
 from kvpush.bench.conversation import Conversation
 from kvpush.bench.records import RequestRecord
@@ -34,6 +37,7 @@ class Requests:
 
     points: tuple[PointWorkload, ...]
     conversations: tuple[Conversation, ...] = ()
+    churn: PointWorkload | None = None  # the fragmented workload's
 
 
 def salt_of(config: BenchConfig, name: str) -> str:
@@ -55,6 +59,8 @@ def plan_requests(
     points = tuple(
         build_point(config, p, vocab, traces, salt) for p in sweep_points(config)
     )
+    if config.workload == "fragmented":
+        return Requests(points, churn=churn_workload(Churn.of(config), vocab, salt))
     return Requests(points)
 
 

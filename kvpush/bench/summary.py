@@ -13,6 +13,8 @@ import msgspec
 
 from kvpush.bench.bandwidth import BandwidthStats
 from kvpush.bench.bindings import BindingMix
+from kvpush.bench.fragment import ChurnResult, FragmentPoint
+from kvpush.bench.goodput import Goodput
 from kvpush.bench.links import LinkUsage
 from kvpush.bench.overlap import OverlapStats
 from kvpush.bench.router_legs import RouterLegs
@@ -57,6 +59,8 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     bindings: BindingMix | None = None  # by the router's response headers
     overlap: OverlapStats | None = None  # kvpush: transfer vs. last forward
     router: RouterLegs | None = None  # the router's legs (P/D modes)
+    fragment: FragmentPoint | None = None  # the fragmented workload's
+    goodput: Goodput | None = None  # the saturation workload's
 
 
 class BackgroundResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,6 +102,7 @@ class ConfigResult(msgspec.Struct, frozen=True, kw_only=True):
     background: BackgroundResult | None = None  # the skewed workload's
     shared_cluster: bool = False  # ran on a kvpush cluster others shared
     round: int | None = None  # of a repeated run (--repeat)
+    churn: ChurnResult | None = None  # the fragmented workload's
 
     def point(self, index: int) -> PointResult | None:
         return next((p for p in self.points if p.point == index), None)

@@ -20,6 +20,7 @@ from kvpush.bench.config import BenchConfig
 from kvpush.bench.lengths import LengthSpec
 
 WARMUP_POINT = -1
+FRESH, CHURNED = 0.0, 1.0  # the fragmented workload's two points, on axis cache
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RequestSpec:
     session: str | None = None  # sent as x-session-id (conversations)
     turn: int | None = None  # a conversation's turn, from 1
     wants_token_ids: bool = False  # ask for the answer's token ids
+    abort_after_tokens: int | None = None  # the client hangs up after so many
 
     @property
     def prompt_len(self) -> int:
@@ -59,7 +61,7 @@ class SweepPoint:
     """One load (or prompt length) at which every configuration is measured."""
 
     index: int
-    axis: str  # qps | concurrency | prompt_len | turn
+    axis: str  # qps | concurrency | prompt_len | turn | cache | churn
     x: float  # the value on that axis
     arrival: str  # poisson | concurrency
     load: float  # requests/s (poisson) or requests in flight (concurrency)
@@ -71,6 +73,10 @@ class SweepPoint:
             return f"prompt {int(self.x)}"
         if self.axis == "turn":
             return "turn 1" if self.x == 1 else f"turns {int(self.x)}+"
+        if self.axis == "cache":
+            return "fresh cache" if self.x == FRESH else "after churn"
+        if self.axis == "churn":
+            return "churn (aborts count as errors)"
         return f"qps {self.x:g}" if self.axis == "qps" else f"concurrency {self.x:g}"
 
     @property
@@ -103,6 +109,11 @@ class Traces:
 def sweep_points(config: BenchConfig) -> list[SweepPoint]:
     """The points in the order they run."""
     arrival, loads = config.arrival, config.loads
+    if config.workload == "fragmented":  # the same load before and after a churn
+        return [
+            SweepPoint(i, "cache", x, arrival, loads[0], config.prompt_spec)
+            for i, x in enumerate((FRESH, CHURNED))
+        ]
     if config.prompt_len_sweep:
         return [
             SweepPoint(i, "prompt_len", n, arrival, loads[0], LengthSpec.parse(str(n)))

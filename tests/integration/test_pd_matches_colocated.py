@@ -1,8 +1,8 @@
 """Through vLLM's pull and push connectors and kvpush's own connector
 (behind kvpush's router), greedy outputs equal a colocated instance's, for
 every API shape, streamed or not, one at a time and 32 at once; ``down``
-leaves no process behind. kvpush runs at each push granularity: whole
-request, per chunk and per chunk and layer."""
+leaves no process behind. kvpush runs at each push granularity: the default
+(auto), whole request, per chunk and per chunk and layer."""
 
 from __future__ import annotations
 
@@ -81,11 +81,23 @@ class TestVllmPush(PDChecks):
 
 
 class TestKvPush(PDChecks):
-    """kvpush's connector, with chunked prefill (256-token chunks, so the
-    long prompts take several)."""
+    """kvpush's connector as users get it, with chunked prefill (256-token
+    chunks, so the long prompts take several): the default granularity,
+    ``auto``, which on the tiny model pushes per chunk (a chunk's KV per layer,
+    256 KiB, is below ``layer_push_min_bytes``) with the per-layer hooks on."""
 
     mode = "kvpush"
     cluster_options: ClassVar[dict[str, Any]] = {"max_num_batched_tokens": 256}
+
+
+class TestKvPushWholeRequest(TestKvPush):
+    """kvpush's connector pushing each prompt whole
+    (``--push-granularity request``), once its last chunk is computed."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        "max_num_batched_tokens": 256,
+        "push_granularity": "request",
+    }
 
 
 class TestKvPushStreamed(TestKvPush):

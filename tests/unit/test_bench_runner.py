@@ -31,6 +31,7 @@ class ThreadedCluster:
 
     def __init__(self, mode: str, fault: Fault | None) -> None:
         self.mode, self.fault, self.url = mode, fault, ""
+        self.instances: list[tuple[str, str, str]] = []  # (name, role, url)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -45,6 +46,7 @@ class ThreadedCluster:
         async with routed(self.mode) as r:  # type: ignore[arg-type]
             for fake in r.cluster.fakes:
                 fake.fault = self.fault
+                self.instances.append((fake.engine_id, fake.role, fake.url))
             self.url = r.url
             self._ready.set()
             await self._stop.wait()
@@ -77,9 +79,14 @@ class FakeLauncher:
             name="router", role="router", pid=os.getpgrp(), url=cluster.url,
             log_path=str(config.run_dir / "router.log"),
         )  # fmt: skip
-        return RunState(
-            mode=config.mode, model="m", router_url=cluster.url, processes=(process,)
+        instances = tuple(
+            ProcessRecord(name=n, role=r, pid=os.getpgrp(), url=u, log_path=f"{n}.log")
+            for n, r, u in cluster.instances
         )
+        return RunState(
+            mode=config.mode, model="m", router_url=cluster.url,
+            processes=(process, *instances),
+        )  # fmt: skip
 
     def down(self, run_dir: Path) -> list[str]:
         self.running.pop(run_dir).stop()
