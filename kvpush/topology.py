@@ -17,8 +17,11 @@ instances on other hosts (``kvpush serve``), write the file by hand::
 reaches it; ``engine_id`` the instance's kv-transfer engine id (``kvpush
 serve`` prints its entry at start-up); ``side_channel_host``/``_port`` the
 *advertised* side-channel address of a prefill (vllm-push and kvpush send it
-to decode; without it their transfers fail, and loading warns). Unknown keys
-are refused, and every error names the backend and the field.
+to decode; without it their transfers fail, and loading warns); ``tp_size``
+the instance's ``--tensor-parallel-size`` (default 1; a kvpush prefill's
+rank ``r`` listens on ``side_channel_port + r``, and decode's leg carries
+it). Unknown keys are refused, and every error names the backend and the
+field.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from __future__ import annotations
 import logging
 import urllib.parse
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from kvpush.side_channel_auth import is_wildcard
+from kvpush.transfer.ranks import MAX_TP_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     engine_id: str
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] = 1
 
 
 class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

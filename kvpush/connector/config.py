@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth
+from kvpush.transfer import ranks
 
 ConnectorRole = Literal["prefill", "decode"]
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -89,6 +90,13 @@ class ConnectorConfig:
     push_granularity: str = DEFAULT_PUSH_GRANULARITY  # one of PUSH_GRANULARITIES
     # auto: a chunk whose KV per layer is at least this many bytes goes per layer
     layer_push_min_bytes: int = DEFAULT_LAYER_PUSH_MIN_BYTES
+    # --tensor-parallel-size, and this worker's rank (0 in EngineCore)
+    tp_size: int = 1
+    tp_rank: int = 0
+    # the model's KV heads over every rank (0: unknown: equal TP sizes only),
+    # and whether its cache is MLA's latent one (replicated on every rank)
+    total_kv_heads: int = 0
+    use_mla: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -99,11 +107,21 @@ class ConnectorConfig:
             check_side_channel_auth(
                 self.side_channel_host, bool(self.secret), self.insecure_side_channel
             )
-        if not 1 <= self.side_channel_port <= 65535:
+        if not 1 <= self.side_channel_port <= 65535 - self.tp_size + 1:
             raise ValueError(
                 "kv_connector_extra_config.side_channel_port must be a port "
-                f"number (1..65535), not {self.side_channel_port!r}"
+                f"number (1..65535) with room for one port per TP rank "
+                f"({self.tp_size}), not {self.side_channel_port!r}"
             )
+        if not 1 <= self.tp_size <= ranks.MAX_TP_SIZE:
+            raise ValueError(
+                f"--tensor-parallel-size must be in 1..{ranks.MAX_TP_SIZE} "
+                f"for kvpush, not {self.tp_size}"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"TP rank {self.tp_rank} outside TP size {self.tp_size}")
+        if self.total_kv_heads < 0:
+            raise ValueError(f"total_kv_heads must be >= 0, not {self.total_kv_heads}")
         if self.layer_push_min_bytes < 1:
             raise ValueError(
                 "kv_connector_extra_config.layer_push_min_bytes must be >= 1, "
@@ -145,15 +163,23 @@ class ConnectorConfig:
 
     @property
     def agent_name(self) -> str:
-        """This instance's NIXL agent name: derived from the engine id so that
-        decode's scheduler can name it in registrations without asking."""
-        return f"kvpush-{self.engine_id}"
+        """This worker's NIXL agent name, derived from the engine id and the
+        TP rank (:func:`kvpush.transfer.ranks.agent_name`)."""
+        return ranks.agent_name(self.engine_id, self.tp_rank)
+
+    @property
+    def listen_port(self) -> int:
+        """The side-channel port this prefill worker rank listens on:
+        ``side_channel_port`` + its TP rank (the instance's range is
+        ``side_channel_port .. side_channel_port + tp_size - 1``)."""
+        return ranks.side_channel_port(self.side_channel_port, self.tp_rank)
 
     @classmethod
     def from_vllm(
-        cls, vllm_config: Any, kv_cache_config: Any = None
+        cls, vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 0
     ) -> ConnectorConfig:
-        """Read the config of the instance vLLM is building."""
+        """Read the config of the instance vLLM is building (``tp_rank``:
+        the calling worker's tensor-parallel rank; 0 in EngineCore)."""
         kv = vllm_config.kv_transfer_config
         if kv.kv_role not in _ROLES:
             raise ValueError(
@@ -184,10 +210,27 @@ class ConnectorConfig:
                 layer_push_min_bytes=int(
                     extra.get("layer_push_min_bytes", DEFAULT_LAYER_PUSH_MIN_BYTES)
                 ),
+                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+                tp_rank=tp_rank,
+                total_kv_heads=_total_kv_heads(vllm_config),
+                use_mla=_uses_mla(vllm_config),
                 **durations,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad KvPushConnector config: {e}") from e
+
+
+def _total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over every TP rank (vLLM's
+    ``ModelConfig.get_total_num_kv_heads``; 0 when the config has none)."""
+    model = getattr(vllm_config, "model_config", None)
+    total = getattr(model, "get_total_num_kv_heads", None)
+    return int(total()) if callable(total) else 0
+
+
+def _uses_mla(vllm_config: Any) -> bool:
+    """vLLM's ``ModelConfig.use_mla`` (False when the config has none)."""
+    return getattr(getattr(vllm_config, "model_config", None), "use_mla", 0) is True
 
 
 def check_nixl_backend(name: str) -> None:

@@ -64,7 +64,10 @@ class KvPushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         check_supported(vllm_config, kv_cache_config)
-        config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+        worker = role != KVConnectorRole.SCHEDULER
+        config = ConnectorConfig.from_vllm(
+            vllm_config, kv_cache_config, _tp_rank() if worker else 0
+        )
         self._sched: Scheduler | None = None
         self._worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -244,3 +247,11 @@ def _log_cudagraph_needs(config: ConnectorConfig) -> None:
             "CUDA graphs, e.g. on CPU or with --enforce-eager)",
             config.push_granularity,
         )
+
+
+def _tp_rank() -> int:
+    """This Worker's tensor-parallel rank (vLLM has set up its TP group
+    before it builds the worker-side connector)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())

@@ -50,7 +50,10 @@ class PreemptedPush:
 @dataclass(frozen=True)
 class RecvExpect:
     """Decode: ``req_id`` waits for transfer ``transfer_id`` into
-    ``dst_block_ids``, pushed by the prefill at ``prefill_host:port``."""
+    ``dst_block_ids``, pushed by the prefill at ``prefill_host:port`` (its
+    rank 0's side channel) running with TP ``prefill_tp``: every decode
+    worker rank takes the same expect and waits on the prefill ranks it
+    receives from (:meth:`~kvpush.transfer.ranks.TpPair.sources_of`)."""
 
     req_id: str
     transfer_id: str
@@ -58,6 +61,7 @@ class RecvExpect:
     prefill_engine_id: str
     prefill_host: str
     prefill_port: int
+    prefill_tp: int = 1
 
 
 @dataclass
@@ -76,8 +80,9 @@ class DecodeMetadata(KVConnectorMetadata):
     expects: list[RecvExpect] = field(default_factory=list)
     # transfers whose request vLLM finished while the KV was on the way
     recv_cancels: list[str] = field(default_factory=list)
-    # prefill's final words that came back on the scheduler's socket (answers
-    # to Registrations), and the scheduler's own (a Registration not sent)
+    # prefill's final words that came back on the scheduler's sockets (answers
+    # to Registrations, from any prefill rank: each names its rank), and the
+    # scheduler's own (a Registration not sent to that rank)
     failures: list[Failure] = field(default_factory=list)
     # side channels whose prefill asked for a Hello (it does not know us)
     hello_requests: list[tuple[str, int]] = field(default_factory=list)

@@ -3,10 +3,11 @@
 kvpush copies a request's KV block for block: block ``b`` of every layer on
 the prefill is written over block ``b'`` of the same layer on the decode.
 That is only right when one block id names the same tokens in every layer,
-each block is one contiguous chunk laid out identically on both sides, and one
-worker holds all of it. :func:`check_supported` checks the settings that
-decide this; :func:`kvpush.connector.kv_memory.layout_of` checks the tensors
-themselves once vLLM has allocated them.
+each block is one contiguous chunk laid out identically on both sides, and
+each worker rank's slice of it is copied by the same rank of the other side.
+:func:`check_supported` checks the settings that decide this;
+:func:`kvpush.connector.kv_memory.layout_of` checks the tensors themselves
+once vLLM has allocated them.
 
 Who calls it: the connector's constructor, in both roles: SCHEDULER in
 EngineCore (``kv_cache_config`` is the scheduler's copy of worker 0's config)
@@ -15,7 +16,18 @@ before the KV cache is allocated). It reads its arguments and changes nothing.
 
 Accepted, and why the copy is right:
 
-- TP, PP, DP, DCP and PCP all 1: one worker holds every layer and token.
+- PP, DP, DCP and PCP all 1: each worker holds every layer and token of
+  its own KV heads.
+- Any TP size: every worker rank is a transfer endpoint
+  (:mod:`kvpush.transfer.ranks`). Equal TP sizes map rank ``r`` to rank
+  ``r``; different ones map head slices (:mod:`kvpush.transfer.heads`)
+  when the model's KV heads divide by both sizes (or both are multiples of
+  them), in this LBHNC layout, without MLA. Neither side can know the
+  other's TP size at start-up, so what remains unsupported is refused per
+  pair: a decode serves locally a leg whose ``prefill_tp`` it cannot map,
+  and prefill refuses a Hello (or Registration) it cannot map, or of
+  another head count, with the reason (``rejected.incompatible``; decode
+  falls back and counts ``receive_failed.incompatible``).
 - One KV-cache group whose spec is exactly ``FullAttentionSpec``: every layer
   keeps every token, in the same block ids. Sliding-window or chunked layers
   that vLLM allocates as full attention (hybrid manager off, the default for
@@ -45,9 +57,11 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvpush.transfer import layout
+
 # The one layout kvpush maps. vLLM asks the connector class for it
 # (``get_required_kvcache_layout``) and uses it when the backends allow.
-REQUIRED_KV_CACHE_LAYOUT = "LBHNC"
+REQUIRED_KV_CACHE_LAYOUT = layout.REQUIRED_KV_CACHE_LAYOUT
 _LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
 
 # vLLM's --kv-cache-dtype strings that kvpush copies, by their element type
@@ -112,9 +126,7 @@ def kv_storage_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def _parallel_problems(parallel: Any) -> list[str]:
-    until = {"TP": "until tensor parallelism lands"}
     sizes = {
-        "TP": ("--tensor-parallel-size", parallel.tensor_parallel_size),
         "PP": ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
         "DP": ("--data-parallel-size", parallel.data_parallel_size),
         "DCP": (
@@ -127,9 +139,9 @@ def _parallel_problems(parallel: Any) -> list[str]:
         ),
     }
     problems = [
-        f"{flag} {size}: kvpush supports {name} 1 only "
-        f"{until.get(name, 'until it is designed')} (one worker must hold all "
-        f"of an instance's KV); run with {flag} 1"
+        f"{flag} {size}: kvpush supports {name} 1 only until it is designed "
+        f"(each worker must hold every layer and token of its heads); run "
+        f"with {flag} 1"
         for name, (flag, size) in sizes.items()
         if size != 1
     ]

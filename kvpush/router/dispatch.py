@@ -222,6 +222,7 @@ def _decode_leg(
         prefill_host=prefill.side_channel_host,
         prefill_port=prefill.side_channel_port,
         claim_token=claim_token,
+        prefill_tp=prefill.tp_size,  # decode registers with each rank
     )
 
 

@@ -23,6 +23,9 @@ from typing import Annotated
 
 import msgspec
 
+# The one interior order kvpush maps (kvpush.connector.kv_memory): each
+# block of a region is [heads][tokens][K|V], vLLM's "HND".
+REQUIRED_KV_CACHE_LAYOUT = "LBHNC"
 _ADDR_LIMIT = 2**64
 MAX_REGIONS = 4096
 

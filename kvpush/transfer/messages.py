@@ -20,6 +20,14 @@ Two channels carry these messages, both through :func:`encode` and
 * the **NIXL notification** posted with the last WRITE of a transfer carries a
   :class:`Done`, so decode learns the data landed with no extra message.
 
+With tensor parallelism every worker rank is an endpoint
+(:mod:`kvpush.transfer.ranks`): decode's scheduler sends its one
+Registration, and any Cancel of its own, to every prefill rank's side
+channel; each decode worker rank says Hello (naming its rank) to, and
+beats, cancels and reconciles with, the prefill ranks it receives from;
+each prefill rank writes its own KV and names itself in its HelloReply,
+Done and Failure.
+
 On the wire a message is the msgpack array ``[version, body]``, where body is
 a map tagged by its ``"type"`` field. :func:`decode` checks the size first,
 then reads the envelope with the body left undecoded and checks
@@ -42,10 +50,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvpush.transfer.layout import KvLayout
+from kvpush.transfer.ranks import MAX_TP_SIZE
 
 # 4: Reconcile; Done also on the side channel. 5: late binding (a
-# Registration may carry the claim token of a PrefillLeg that named no decode)
-PROTOCOL_VERSION = 5
+# Registration may carry the claim token of a PrefillLeg that named no decode).
+# 6: tensor-parallel ranks (Hello names decode's rank and TP size; HelloReply,
+# Done and Failure the prefill rank that says them; a DecodeLeg prefill's TP;
+# a Hello the model's KV heads, a Registration decode's TP: heterogeneous TP)
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
@@ -70,6 +82,11 @@ def claim_digest(token: str) -> str:
 
 
 Text = Annotated[str, msgspec.Meta(max_length=1024)]
+# A worker's tensor-parallel rank and an instance's TP size
+# (:mod:`kvpush.transfer.ranks`); 0 and 1 on an instance without TP.
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+KvHeads = Annotated[int, msgspec.Meta(ge=0, le=2**16)]  # 0: not known
 BlockIds = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=0, lt=2**31)], ...],
     msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
@@ -114,25 +131,39 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     :func:`~kvpush.transfer.layout.compat_problem`). ``boot_id`` names this
     start of the decode instance (the same in its scheduler and worker): a
     Hello with a new boot id means decode restarted, and prefill drops every
-    registration of the old boot instead of writing into reused memory."""
+    registration of the old boot instead of writing into reused memory.
+    One Hello per decode worker rank: ``rank`` is the sender's TP rank and
+    ``tp_size`` decode's TP size, ``total_kv_heads`` the model's KV heads
+    (0: not known, which pairs equal TP sizes only); prefill refuses a pair
+    of TP sizes it cannot map, a head count other than its own, or a rank it
+    does not write to (:class:`~kvpush.transfer.ranks.TpPair`)."""
 
     engine_id: Name
     boot_id: Name
     agent_name: Name
     nixl_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA_BYTES)]
     layout: KvLayout
+    rank: Rank = 0
+    tp_size: TpSize = 1
+    total_kv_heads: KvHeads = 0
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.tp_size:
+            raise ValueError("rank must be below tp_size")
 
 
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     """Prefill → decode: whether prefill accepted the Hello (``reason`` when
     not). ``boot_id`` names this start of the prefill worker: a reply with
     another boot id than the last one proves that the old prefill process,
-    and any WRITE it had posted, is gone."""
+    and any WRITE it had posted, is gone. ``rank``: the prefill worker
+    rank that answers (each rank has its own side channel)."""
 
     engine_id: Name
     accepted: bool
     boot_id: Name
     reason: Text = ""
+    rank: Rank = 0
 
 
 class HelloRequest(msgspec.Struct, frozen=True, tag="hello_request"):
@@ -167,7 +198,10 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     ``claim_token`` is the token of the decode's :class:`DecodeLeg`, set
     only for a late-bound transfer: prefill writes a ready KV whose leg
     named no decode only for the registration whose token hashes to the
-    leg's ``claim_sha256`` (see :mod:`kvpush.transfer.matcher`)."""
+    leg's ``claim_sha256`` (see :mod:`kvpush.transfer.matcher`).
+    ``decode_tp`` is decode's TP size: with prefill's own TP size and KV
+    heads it says which decode ranks this prefill rank writes (none: a
+    replicated copy nobody reads, which frees its blocks at once)."""
 
     transfer_id: TransferId
     decode_engine_id: Name
@@ -177,6 +211,7 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
     first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
     claim_token: ClaimToken | None = None
+    decode_tp: TpSize = 1
 
     def __post_init__(self) -> None:
         if len(set(self.dst_block_ids)) != len(self.dst_block_ids):
@@ -199,12 +234,16 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
 class Failure(msgspec.Struct, frozen=True, tag="failure"):
     """Prefill → decode: prefill will not write this transfer, now or later
     (its final word: no WRITE of it is in flight or can still be posted).
-    Decode frees its blocks and falls back."""
+    Decode frees its blocks and falls back. ``rank``: the prefill worker
+    rank whose final word it is (for decode's own verdict on a Registration
+    it could not send, the rank it was not sent to); a Failure from any
+    rank fails the transfer on every decode rank."""
 
     transfer_id: TransferId
     engine_id: Name
     cause: Cause
     detail: Text = ""
+    rank: Rank = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -247,11 +286,14 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     """Prefill → decode, as the NIXL notification of a transfer's last WRITE:
     all ``num_blocks`` registered blocks hold the prompt's KV. Also sent on
     the side channel in answer to a :class:`Reconcile`, for a WRITE NIXL
-    reported complete (NIXL's DONE: the data landed)."""
+    reported complete (NIXL's DONE: the data landed). ``rank``: the prefill
+    worker rank that wrote it; decode's receive is over once every prefill
+    rank it expects said its final word."""
 
     transfer_id: TransferId
     engine_id: Name
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
+    rank: Rank = 0
 
 
 Message = (
@@ -365,7 +407,7 @@ class TransferParams(msgspec.Struct, frozen=True, tag_field="role", omit_default
                 "binding: 64 lowercase hex digits), or role 'decode' with "
                 "transfer_id, prefill_engine_id, prefill_host and "
                 "prefill_port (and claim_token, 32-128 URL-safe characters, "
-                "for late binding)"
+                "for late binding; prefill_tp, prefill's TP size, default 1)"
             ) from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -405,9 +447,16 @@ class DecodeLeg(TransferParams, frozen=True, tag="decode"):
     engine ``prefill_engine_id`` whose side channel listens on
     ``prefill_host:prefill_port``. ``claim_token`` (late binding only)
     goes into the Registration: it is what lets this decode claim a
-    prefill leg that named no decode."""
+    prefill leg that named no decode. ``prefill_tp`` is the prefill
+    instance's TP size: its rank ``r`` listens on ``prefill_port + r``
+    (:mod:`kvpush.transfer.ranks`), and decode registers with every rank."""
 
     prefill_engine_id: Name
     prefill_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
     prefill_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     claim_token: ClaimToken | None = None
+    prefill_tp: TpSize = 1
+
+    def __post_init__(self) -> None:
+        if self.prefill_port + self.prefill_tp - 1 > 65535:
+            raise ValueError("prefill_port + prefill_tp - 1 must be a port number")

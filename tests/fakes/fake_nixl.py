@@ -77,6 +77,29 @@ class WriteRecord:
         return decode(self.notif)
 
 
+class FakeMemory:
+    """The bytes behind a fake agent's layout, for tests that check what
+    its WRITEs copy (the fake itself moves none): :meth:`copy` applies a
+    WRITE's descriptors from one memory to another."""
+
+    def __init__(self, layout: KvLayout) -> None:
+        self.base = min(layout.base_addrs)
+        top = max(layout.base_addrs) + layout.num_blocks * layout.block_bytes
+        self.data = bytearray(top - self.base)
+
+    def at(self, addr: int, length: int) -> bytes:
+        return bytes(self.data[addr - self.base : addr - self.base + length])
+
+    def put(self, addr: int, payload: bytes) -> None:
+        self.data[addr - self.base : addr - self.base + len(payload)] = payload
+
+    def copy(self, write: WriteRecord, dst: FakeMemory) -> None:
+        """Apply ``write`` (posted by this memory's agent) into ``dst``."""
+        for s, d in zip(write.src, write.dst, strict=True):
+            assert s.length == d.length, (s, d)
+            dst.put(d.addr, self.at(s.addr, s.length))
+
+
 class FakeNixlIO:
     """A NIXL agent that moves no bytes; see the module docstring."""
 

@@ -178,7 +178,10 @@ def test_layer_push_min_bytes_is_read_from_the_extra_config_and_checked():
         )
         cache = SimpleNamespace(block_size=16, cache_dtype="auto")
         return SimpleNamespace(
-            kv_transfer_config=kv, cache_config=cache, instance_id="i"
+            kv_transfer_config=kv,
+            cache_config=cache,
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            instance_id="i",
         )
 
     extra = {"side_channel_port": 5600, "push_granularity": "auto"}

@@ -16,7 +16,7 @@ def matched(tid: str = "t1", deadline: float = 10.0) -> Matched:
     return Matched(tid, reg, READY, (1, 2), (5, 6), post_deadline=deadline)
 
 
-def knows(engine: str, boot: str) -> bool:
+def knows(engine: str, boot: str, ranks: frozenset[int] = frozenset()) -> bool:
     return (engine, boot) == ("d0", "boot-1")
 
 

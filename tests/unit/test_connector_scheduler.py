@@ -94,7 +94,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] | None = None
 
 
-def config_for(role: str, trace_dir: str = "") -> ConnectorConfig:
+def config_for(role: str, trace_dir: str = "", tp_size: int = 1) -> ConnectorConfig:
     return ConnectorConfig(
         role=role,  # type: ignore[arg-type]
         engine_id="d0" if role == "decode" else "p0",
@@ -102,11 +102,14 @@ def config_for(role: str, trace_dir: str = "") -> ConnectorConfig:
         side_channel_port=5601,
         block_size=BS,
         trace_dir=trace_dir,
+        tp_size=tp_size,
     )
 
 
-def make_decode(trace_dir: str = "") -> tuple[DecodeScheduler, FakePeers]:
-    sched = DecodeScheduler(config_for("decode", trace_dir))
+def make_decode(
+    trace_dir: str = "", tp_size: int = 1
+) -> tuple[DecodeScheduler, FakePeers]:
+    sched = DecodeScheduler(config_for("decode", trace_dir, tp_size))
     sched._peers.close()
     peers = FakePeers()
     sched._peers = peers  # type: ignore[assignment]

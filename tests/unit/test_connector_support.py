@@ -89,11 +89,6 @@ def test_unsupported_config_is_a_value_error():
     ("field", "flag", "until"),
     [
         (
-            "tensor_parallel_size",
-            "--tensor-parallel-size 2",
-            "until tensor parallelism",
-        ),
-        (
             "pipeline_parallel_size",
             "--pipeline-parallel-size 2",
             "until it is designed",
@@ -113,6 +108,12 @@ def test_any_parallelism_is_refused_naming_the_flag(field: str, flag: str, until
     assert f"run with {flag.split()[0]} 1" in message
 
 
+def test_tensor_parallelism_is_accepted_at_start_up():
+    # the peer's TP size is checked at its Hello (kvpush.transfer.ranks)
+    config = vllm_config(parallel={"tensor_parallel_size": 4})
+    assert check_supported(config, kv_config(full_spec())) is None
+
+
 def test_a_dense_models_data_parallel_rank_is_refused_though_vllm_resets_dp_to_1():
     config = vllm_config()
     config.parallel_config.data_parallel_index = 1  # what EngineCore leaves
@@ -121,10 +122,10 @@ def test_a_dense_models_data_parallel_rank_is_refused_though_vllm_resets_dp_to_1
 
 
 def test_every_problem_is_listed_at_once():
-    config = vllm_config(parallel={"tensor_parallel_size": 2}, layout="LBNHC")
+    config = vllm_config(parallel={"pipeline_parallel_size": 2}, layout="LBNHC")
     mamba = MambaSpec(BS, ((4,),), (torch.float32,))
     message = refusal(config, kv_config(full_spec(), mamba, layout="LBNHC"))
-    assert "--tensor-parallel-size 2" in message
+    assert "--pipeline-parallel-size 2" in message
     assert "KV cache layout LBNHC" in message
     assert "2 KV-cache groups (FullAttentionSpec, MambaSpec)" in message
 

@@ -76,7 +76,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     return fake
 
 
-def make_config(role: str) -> ConnectorConfig:
+def make_config(
+    role: str, tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0
+) -> ConnectorConfig:
     return ConnectorConfig(
         role=role,  # type: ignore[arg-type]
         engine_id="d0" if role == "decode" else "p0",
@@ -84,6 +86,9 @@ def make_config(role: str) -> ConnectorConfig:
         side_channel_port=5601,
         block_size=BS,
         registration_ttl_s=TTL_S,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        total_kv_heads=total_kv_heads,
     )
 
 
@@ -128,16 +133,11 @@ class Decode:
         tid: str = "t1",
         req_id: str = "r1",
         address: tuple[str, int] = PREFILL_ADDR,
+        prefill_tp: int = 1,
     ) -> None:
-        expect = RecvExpect(
-            req_id=req_id,
-            transfer_id=tid,
-            dst_block_ids=BLOCKS[tid],
-            prefill_engine_id="p0",
-            prefill_host=address[0],
-            prefill_port=address[1],
+        self.worker.bind(
+            DecodeMetadata(expects=[recv_expect(tid, req_id, address, prefill_tp)])
         )
-        self.worker.bind(DecodeMetadata(expects=[expect]))
 
     def step(self, meta: DecodeMetadata | None = None) -> set[str]:
         """One engine step; the received requests."""
@@ -152,8 +152,28 @@ class Decode:
             received |= self.step()
         return received
 
-    def done(self, tid: str = "t1") -> None:
-        self.io.deliver(encode(Done(transfer_id=tid, engine_id="p0", num_blocks=3)))
+    def done(self, tid: str = "t1", rank: int = 0) -> None:
+        """Prefill rank ``rank``'s WRITE landed here (its notification)."""
+        self.io.deliver(encode(Done(tid, "p0", num_blocks=3, rank=rank)))
+
+
+def recv_expect(
+    tid: str = "t1",
+    req_id: str = "r1",
+    address: tuple[str, int] = PREFILL_ADDR,
+    prefill_tp: int = 1,
+) -> RecvExpect:
+    """What decode's scheduler puts in the metadata for ``tid`` (the same
+    for every decode rank)."""
+    return RecvExpect(
+        req_id=req_id,
+        transfer_id=tid,
+        dst_block_ids=BLOCKS[tid],
+        prefill_engine_id="p0",
+        prefill_host=address[0],
+        prefill_port=address[1],
+        prefill_tp=prefill_tp,
+    )
 
 
 def assert_idle(worker: DecodeWorker) -> None:
@@ -164,11 +184,15 @@ def assert_idle(worker: DecodeWorker) -> None:
     assert worker.reserved_blocks() == 0
 
 
-@pytest.fixture
-def decode(clock: FakeTime) -> Iterator[Decode]:
-    """A decode worker as ``register_kv_caches`` leaves it, NIXL faked."""
-    worker = DecodeWorker(make_config("decode"))
-    io = FakeNixlIO("kvpush-d0", LAYOUT)
+def make_decode(
+    clock: FakeTime, rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0
+) -> Decode:
+    """Decode worker rank ``rank`` (of ``tp_size``, the model's KV heads
+    ``total_kv_heads``, 0: not known) as ``register_kv_caches`` leaves it,
+    NIXL faked; close with :func:`close_decode`."""
+    config = make_config("decode", rank, tp_size, total_kv_heads)
+    worker = DecodeWorker(config)
+    io = FakeNixlIO(config.agent_name, LAYOUT)
     peers = FakePeers()
     worker._peers.close()
     worker._heartbeats.close()
@@ -182,11 +206,25 @@ def decode(clock: FakeTime) -> Iterator[Decode]:
         agent_name=io.name,
         nixl_metadata=io.metadata,
         layout=LAYOUT,
+        rank=rank,
+        tp_size=tp_size,
+        total_kv_heads=total_kv_heads,
     )
-    yield Decode(worker, io, peers, clock, heartbeats)
-    worker.close()
-    assert io.misuse == []
-    assert clock.sleeps == [], "the worker never blocks vLLM's engine loop"
+    return Decode(worker, io, peers, clock, heartbeats)
+
+
+def close_decode(decode: Decode) -> None:
+    decode.worker.close()
+    assert decode.io.misuse == []
+    assert decode.clock.sleeps == [], "the worker never blocks vLLM's engine loop"
+
+
+@pytest.fixture
+def decode(clock: FakeTime) -> Iterator[Decode]:
+    """A decode worker as ``register_kv_caches`` leaves it, NIXL faked."""
+    rig = make_decode(clock)
+    yield rig
+    close_decode(rig)
 
 
 # -- decode ----------------------------------------------------------------------

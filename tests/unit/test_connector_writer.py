@@ -88,19 +88,42 @@ class Rig:
         peer_timeout_s: float = 10.0,
         fault_file: str = "",
         num_layers: int = NUM_LAYERS,
+        rank: int = 0,
+        tp_size: int = 1,
+        decode_ios: list[FakeNixlIO] | None = None,
+        total_kv_heads: int = 0,
+        block_bytes: int = BLOCK_BYTES,
     ) -> None:
-        self.io = FakeNixlIO("kvpush-p0", layout(SRC_BASE, num_layers=num_layers))
-        self.decode_io = FakeNixlIO(
-            "kvpush-d0", layout(DST_BASE, num_layers=num_layers)
+        """Prefill worker rank ``rank`` of ``tp_size`` (a block of
+        ``block_bytes``); its decode peer is the decode rank it writes to
+        (same TP size), or with ``decode_ios`` each decode rank's agent
+        (decode TP ``len(decode_ios)``, the model's ``total_kv_heads``)."""
+        self.rank, self.tp_size = rank, tp_size
+        self.decode_tp = len(decode_ios) if decode_ios else tp_size
+        self.io = FakeNixlIO(
+            f"kvpush-p0-rank{rank}" if decode_ios else "kvpush-p0",
+            layout(SRC_BASE, block_bytes, num_layers=num_layers),
         )
-        self.io.link(self.decode_io)
+        self.decode_ios = decode_ios or [
+            FakeNixlIO("kvpush-d0", layout(DST_BASE, num_layers=num_layers))
+        ]
+        self.decode_io = self.decode_ios[0]
+        for decode_io in self.decode_ios:
+            self.io.link(decode_io)
         self.replies = Replies()
         self.tracer = Tracer(tmp_trace_dir, PREFILL)
         config = MatcherConfig(block_size=BS, ready_ttl_s=ready_ttl_s)
         self.counters = Counters()
         self.writer = Writer(
             self.io,
-            WriterConfig(PREFILL, config, peer_timeout_s=peer_timeout_s),
+            WriterConfig(
+                PREFILL,
+                config,
+                peer_timeout_s=peer_timeout_s,
+                tp_size=tp_size,
+                rank=rank,
+                total_kv_heads=total_kv_heads,
+            ),
             self.replies,
             self.tracer,
             self.counters,
@@ -117,12 +140,23 @@ class Rig:
         route: bytes = DECODE_ROUTE,
         decode_layout: KvLayout | None = None,
         boot_id: str = BOOT,
+        rank: int | None = None,
+        tp_size: int | None = None,
+        total_kv_heads: int | None = None,
     ) -> None:
-        io = (
-            self.decode_io
-            if engine == DECODE
-            else FakeNixlIO(f"kvpush-{engine}", layout(DST_BASE))
-        )
+        """Decode ``engine``'s Hello, from decode rank ``rank`` of
+        ``tp_size`` (default: the rank this prefill rank writes to), for a
+        model of ``total_kv_heads`` (default: prefill's)."""
+        if rank is None:  # the rank it writes to with equal TP sizes
+            rank = self.rank if self.rank < self.decode_tp else 0
+        if engine != DECODE:
+            io = FakeNixlIO(f"kvpush-{engine}", layout(DST_BASE))
+        elif len(self.decode_ios) > 1:
+            io = self.decode_ios[rank]
+        else:
+            io = self.decode_io
+        if total_kv_heads is None:
+            total_kv_heads = self.writer._pipeline._total_kv_heads
         self.writer.on_message(
             route,
             Hello(
@@ -131,6 +165,9 @@ class Rig:
                 agent_name=io.name,
                 nixl_metadata=io.metadata,
                 layout=decode_layout or io.layout,
+                rank=rank,
+                tp_size=self.decode_tp if tp_size is None else tp_size,
+                total_kv_heads=total_kv_heads,
             ),
         )
 
@@ -152,6 +189,7 @@ class Rig:
             num_tokens=num_tokens,
             ttl_s=ttl_s,
             first_block=first_block,
+            decode_tp=self.decode_tp,
         )
         self.writer.on_message(route, reg)
 

@@ -15,8 +15,10 @@ blocks; prefill's blocks 4, 5, 6, 9; decode's 10, 11, 12, 13.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +292,27 @@ def test_a_chunk_out_of_order_closes_the_transfer(rig: Rig):
     assert [f.cause for f in failures(rig)] == [Cause.REJECTED]
     assert rig.wait_finished("req-1")
     assert rig.decode_io.notifications() == []
+
+
+def test_the_fault_files_post_delay_holds_a_chunk_due_only_after_the_match(
+    tmp_path: Path,
+):
+    # The match comes with nothing due (the first chunk is inside decode's
+    # prefix hit); the chunk that is due later waits out the delay as well.
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"delay_post_s": 0.5}))
+    rig = Rig(fault_file=str(faults))
+    try:
+        rig.hello()
+        rig.register(dst=(21, 22), first_block=2)
+        chunk(rig, 0, (4, 5))
+        rig.sync()  # matched
+        chunk(rig, 2, (6, 9), final=True)
+        rig.sync()
+        assert rig.io.writes_snapshot() == [], "held for the post delay"
+
+        assert rig.wait_finished("req-1")
+        (write,) = rig.io.writes_snapshot()
+        assert blocks_of(write) == ([6, 9], [21, 22])
+    finally:
+        rig.close()

@@ -367,6 +367,7 @@ def connector_config(
     vllm_config = SimpleNamespace(
         kv_transfer_config=kv,
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
         instance_id="boot",
     )
     old = os.environ.pop(SECRET_ENV, None)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvpush.router.dispatch import _decode_leg
 from kvpush.topology import Backend, Topology, dump_topology, load_topology
 
 PREFILL = {
@@ -34,6 +35,16 @@ def test_a_two_host_file_loads_as_written(tmp_path: Path) -> None:
     again = tmp_path / "again.json"
     dump_topology(topo, again)
     assert load_topology(again) == topo
+
+
+def test_a_prefills_tp_size_reaches_decodes_leg(tmp_path: Path) -> None:
+    prefill = {**PREFILL, "tp_size": 2}
+    path = _write(tmp_path, {"mode": "kvpush", "backends": [prefill, DECODE]})
+    (backend,) = load_topology(path).prefills
+    assert backend.tp_size == 2 and Backend(**DECODE).tp_size == 1
+    leg = _decode_leg("t1", backend)  # rank r listens on 5600 + r
+    assert (leg.prefill_port, leg.prefill_tp) == (5600, 2)
+    assert leg.to_dict()["prefill_tp"] == 2
 
 
 @pytest.mark.parametrize(
@@ -88,6 +99,10 @@ def test_a_two_host_file_loads_as_written(tmp_path: Path) -> None:
                 "backends": [{**PREFILL, "side_channel_port": 70000}, DECODE],
             },
             "side_channel_port must be in 1..65535",
+        ),
+        (
+            {"mode": "kvpush", "backends": [{**PREFILL, "tp_size": 0}, DECODE]},
+            r"\$.backends\[0\].tp_size",
         ),
     ],
 )

@@ -28,18 +28,33 @@ reports the transfer over; then they are freed, with no load error.
 A Done or Failure may arrive before the expect it completes (it comes over
 another path than the registration): it is kept for
 :data:`EARLY_TTL_S` and applied when the expect comes.
+
+Tensor parallelism: this worker is one decode rank; a receive waits on every
+prefill rank it receives from (:meth:`TpPair.sources_of
+<kvpush.transfer.ranks.TpPair.sources_of>`; rank ``r`` at the prefill's
+side-channel port + ``r``). The rule then reads *every* expected rank: a
+receive is over only once each of them said its final word (a Done or
+Failure naming that rank) or was proven gone. A Failure from any prefill
+rank, this worker's sources or not (the scheduler forwards every rank's to
+every decode rank), dooms the receive: it will end failed, and the worker
+asks each source still awaited for its final word at once (a Cancel), but
+it still waits for those words. vLLM counts a request's receive finished
+only once every decode rank reported it, and unions their load errors, so
+the request's blocks go back only when every rank's receive is over.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.connector.counters import Counters
 from kvpush.connector.metadata import RecvExpect
 from kvpush.transfer.ledger import Hold, Ledger
 from kvpush.transfer.messages import Cause
+from kvpush.transfer.ranks import TpPair, side_channel_port
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +73,38 @@ class Phase(enum.Enum):
 class _Receive:
     expect: RecvExpect
     deadline: float
-    prefill_boot: str | None  # the prefill boot known when it was expected
+    # prefill rank -> its boot id known when expected, for every rank whose
+    # final word is still awaited (a rank leaves once it said it)
+    awaiting: dict[int, str | None]
     phase: Phase = Phase.WAITING
     aborted: bool = False
+    cause: Cause | None = None  # the first failure heard: it ends failed
+    asked: bool = False  # a Cancel went to the ranks awaited
 
-    @property
-    def address(self) -> Address:
-        return (self.expect.prefill_host, self.expect.prefill_port)
+    def address(self, rank: int) -> Address:
+        port = side_channel_port(self.expect.prefill_port, rank)
+        return (self.expect.prefill_host, port)
+
+    def rank_at(self, address: Address) -> int | None:
+        """The awaited prefill rank listening at ``address``, if any."""
+        for rank in self.awaiting:
+            if self.address(rank) == address:
+                return rank
+        return None
+
+    def addresses(self) -> tuple[Address, ...]:
+        """Side channels of the ranks still awaited."""
+        return tuple(self.address(r) for r in self.awaiting)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Ask the prefill ranks at ``addresses`` for their final word on
+    ``expect``'s transfer (a Cancel saying ``reason``)."""
+
+    expect: RecvExpect
+    addresses: tuple[Address, ...]
+    reason: str
 
 
 @dataclass
@@ -78,87 +118,112 @@ class Results:
 @dataclass(frozen=True)
 class _Early:
     until: float
+    rank: int  # the prefill rank that said it
     cause: Cause | None  # None: a Done
 
 
 class Receiver:
-    """Every transfer decode waits on, keyed by transfer id."""
+    """Every transfer this decode rank waits on, keyed by transfer id."""
 
-    def __init__(self, ttl_s: float, counters: Counters) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        counters: Counters,
+        rank: int = 0,
+        tp_size: int = 1,
+        total_kv_heads: int = 0,
+    ) -> None:
         self._ttl_s = ttl_s
         self._counters = counters
+        self._rank, self._tp_size = rank, tp_size  # this decode worker's
+        self._total_kv_heads = total_kv_heads  # the model's (0: not known)
         self._pending: dict[str, _Receive] = {}
         self._ledger = Ledger()
-        self._early: dict[str, _Early] = {}  # transfer id -> word before expect
+        self._early: dict[str, list[_Early]] = {}  # words before their expect
         self._results = Results()
+        self._asks: list[Ask] = []
+
+    def sources(self, expect: RecvExpect) -> tuple[Address, ...]:
+        """Side channels of the prefill ranks this rank receives
+        ``expect`` from (the scheduler refused any TP pair not served)."""
+        pair = self._pair(expect)
+        host, base = expect.prefill_host, expect.prefill_port
+        return tuple(
+            (host, side_channel_port(base, r)) for r in pair.sources_of(self._rank)
+        )
+
+    def _pair(self, expect: RecvExpect) -> TpPair:
+        return TpPair(expect.prefill_tp, self._tp_size, self._total_kv_heads)
 
     def expect(
-        self, expect: RecvExpect, now: float, prefill_boot: str | None = None
+        self,
+        expect: RecvExpect,
+        now: float,
+        prefill_boots: dict[Address, str] | None = None,
     ) -> None:
         """Decode registered ``expect.dst_block_ids`` with its prefill, whose
-        current boot id (from its last HelloReply) is ``prefill_boot``."""
+        ranks' current boot ids (from their last HelloReply, by side-channel
+        address) are ``prefill_boots``."""
         tid = expect.transfer_id
         if tid in self._pending:  # the scheduler refuses reused ids: a bug
             logger.error("kvpush: receive %s expected twice; kept the first", tid)
             self._counters.add("ledger_conflict")
             return
-        deadline = now + self._ttl_s + GRACE_S
-        self._pending[tid] = _Receive(expect, deadline, prefill_boot)
+        boots = prefill_boots or {}
+        pair = self._pair(expect)
+        entry = _Receive(expect, now + self._ttl_s + GRACE_S, {})
+        for r in pair.sources_of(self._rank):
+            entry.awaiting[r] = boots.get(entry.address(r))
+        self._pending[tid] = entry
         hold = Hold(tid, expect.dst_block_ids, expect.prefill_engine_id)
         try:
             self._ledger.hold(hold)
         except ValueError as e:  # vLLM gave a block to two live receives
             logger.error("kvpush: ledger refused receive %s: %s", tid, e)
             self._counters.add("ledger_conflict")
-        early = self._early.pop(tid, None)
-        if early is not None:
-            self._end(tid, early.cause)
+        for early in self._early.pop(tid, []):
+            if tid in self._pending:
+                self._final(tid, early.rank, early.cause)
 
-    def abort(self, transfer_id: str) -> RecvExpect | None:
-        """vLLM finished the request while its KV was on the way. Returns the
-        receive (the caller sends prefill a Cancel), or None if it is over."""
+    def abort(self, transfer_id: str) -> None:
+        """vLLM finished the request while its KV was on the way: ask every
+        rank still awaited for its final word (see :meth:`take_asks`)."""
         entry = self._pending.get(transfer_id)
         if entry is None or entry.aborted:
-            return None
+            return
         entry.aborted = True
         self._counters.add("aborted.receiving")
-        return entry.expect
+        self._ask(entry, "request aborted while its KV was on the way")
 
-    def done(self, transfer_id: str, now: float) -> None:
-        """A Done arrived (its WRITE's NIXL notification, or prefill's answer
-        to a Reconcile): the KV landed (final)."""
-        self._word(transfer_id, None, now)
+    def done(self, transfer_id: str, rank: int, now: float) -> None:
+        """Prefill rank ``rank``'s Done arrived (its WRITE's NIXL
+        notification, or its answer to a Reconcile): its KV landed (final)."""
+        self._word(transfer_id, rank, None, now)
 
-    def failed(self, transfer_id: str, cause: Cause, now: float) -> None:
-        """Prefill's Failure, or decode's own (a Registration not sent): no
-        WRITE of the transfer can land (final)."""
-        self._word(transfer_id, cause, now)
+    def failed(self, transfer_id: str, cause: Cause, rank: int, now: float) -> None:
+        """Prefill rank ``rank``'s Failure, or decode's own about that rank
+        (a Registration not sent to it): no WRITE of that rank can land
+        (final for that rank; the transfer as a whole fails)."""
+        self._word(transfer_id, rank, cause, now)
 
     def peer_lost(self, address: Address) -> None:
-        """The prefill process at ``address`` is gone: none of its WRITEs will
+        """The prefill rank at ``address`` is gone: none of its WRITEs will
         land (a new process there does not know these transfers)."""
-        for tid, entry in list(self._pending.items()):
-            if entry.address == address:
-                self._end(tid, Cause.PEER_LOST)
+        self._proven(address, lambda boot: True, Cause.PEER_LOST)
 
     def peer_restarted(self, address: Address, boot_id: str) -> None:
-        """The prefill at ``address`` answered as boot ``boot_id``: receives
-        registered with an earlier boot will never be written."""
-        for tid, entry in list(self._pending.items()):
-            old = entry.prefill_boot
-            if entry.address == address and old is not None and old != boot_id:
-                self._end(tid, Cause.PEER_LOST)
+        """The prefill rank at ``address`` answered as boot ``boot_id``:
+        receives registered with an earlier boot will never be written."""
+        self._proven(address, lambda old: old not in (None, boot_id), Cause.PEER_LOST)
 
-    def peer_refused(self, prefill_engine_id: str) -> None:
-        """The prefill refused our Hello: it will never write to us."""
-        for tid, entry in list(self._pending.items()):
-            if entry.expect.prefill_engine_id == prefill_engine_id:
-                self._end(tid, Cause.INCOMPATIBLE)
+    def peer_refused(self, address: Address) -> None:
+        """The prefill rank at ``address`` refused our Hello: it will never
+        write to us."""
+        self._proven(address, lambda boot: True, Cause.INCOMPATIBLE)
 
-    def expire(self, now: float) -> list[RecvExpect]:
-        """Quarantine receives past their deadline (returned: the caller asks
-        each prefill for its final word) and forget stale early words."""
-        newly = []
+    def expire(self, now: float) -> None:
+        """Quarantine receives past their deadline (asking each awaited rank
+        for its final word: :meth:`take_asks`) and forget stale early words."""
         for entry in self._pending.values():
             if entry.phase is Phase.WAITING and now > entry.deadline:
                 entry.phase = Phase.QUARANTINED
@@ -172,11 +237,15 @@ class Receiver:
                     entry.expect.transfer_id,
                     len(entry.expect.dst_block_ids),
                 )
-                newly.append(entry.expect)
-        for tid in [t for t, e in self._early.items() if now > e.until]:
-            del self._early[tid]  # its receive never came (or ended otherwise)
-            self._counters.add("unmatched.word")
-        return newly
+                self._ask(entry, "decode's deadline passed")
+        for tid, words in list(self._early.items()):
+            kept = [w for w in words if now <= w.until]
+            if len(kept) < len(words):  # its receive never came
+                self._counters.add("unmatched.word", len(words) - len(kept))
+            if kept:
+                self._early[tid] = kept
+            else:
+                del self._early[tid]
 
     def pardon(self, gap_s: float) -> None:
         """This process was stopped (or its step ran) for ``gap_s``: prefill
@@ -186,13 +255,13 @@ class Receiver:
                 entry.deadline += gap_s
 
     def awaited_ids(self, address: Address) -> list[str]:
-        """Transfer ids awaited from the prefill at ``address`` (quarantined,
-        aborted or not), in the order they were expected."""
-        return [t for t, e in self._pending.items() if e.address == address]
+        """Transfer ids awaited from the prefill rank at ``address``
+        (quarantined, aborted or not), in the order they were expected."""
+        return [t for t, e in self._pending.items() if e.rank_at(address) is not None]
 
     def awaited(self) -> frozenset[Address]:
-        """Side-channel addresses of the prefills we are waiting on."""
-        return frozenset(e.address for e in self._pending.values())
+        """Side-channel addresses of the prefill ranks we are waiting on."""
+        return frozenset(a for e in self._pending.values() for a in e.addresses())
 
     def quarantined_blocks(self) -> int:
         return sum(
@@ -209,14 +278,52 @@ class Receiver:
         results, self._results = self._results, Results()
         return results
 
-    def _word(self, tid: str, cause: Cause | None, now: float) -> None:
-        if tid in self._pending:
-            self._end(tid, cause)
-        elif tid not in self._early:
-            self._early[tid] = _Early(now + EARLY_TTL_S, cause)
+    def take_asks(self) -> list[Ask]:
+        """The Cancels to send since the last call (worker's main thread)."""
+        asks, self._asks = self._asks, []
+        return asks
 
-    def _end(self, tid: str, cause: Cause | None) -> None:
-        """The receive is over (``cause`` None: the KV landed)."""
+    def _word(self, tid: str, rank: int, cause: Cause | None, now: float) -> None:
+        if tid in self._pending:
+            self._final(tid, rank, cause)
+            return
+        words = self._early.setdefault(tid, [])
+        if all(w.rank != rank for w in words):
+            words.append(_Early(now + EARLY_TTL_S, rank, cause))
+
+    def _proven(
+        self, address: Address, applies: Callable[[str | None], bool], cause: Cause
+    ) -> None:
+        """The rank at ``address`` is proven never to write (for receives
+        whose boot there ``applies``): its final word, with ``cause``."""
+        for tid, entry in list(self._pending.items()):
+            rank = entry.rank_at(address)
+            if rank is not None and applies(entry.awaiting[rank]):
+                self._final(tid, rank, cause)
+
+    def _final(self, tid: str, rank: int, cause: Cause | None) -> None:
+        """Prefill rank ``rank`` said its final word on ``tid`` (``cause``
+        None: a Done). A Failure from a rank this one does not receive from
+        only dooms the receive: its own sources must still answer."""
+        entry = self._pending[tid]
+        entry.awaiting.pop(rank, None)
+        if cause is not None and entry.cause is None:
+            entry.cause = cause
+        if not entry.awaiting:
+            self._end(tid)
+        elif entry.cause is not None:  # the others need not write any more
+            why = f"the transfer failed on prefill rank {rank} ({entry.cause.value})"
+            self._ask(entry, why, once=True)
+
+    def _ask(self, entry: _Receive, reason: str, once: bool = False) -> None:
+        if once and entry.asked:
+            return
+        entry.asked = True
+        self._asks.append(Ask(entry.expect, entry.addresses(), reason))
+
+    def _end(self, tid: str) -> None:
+        """The receive is over: every expected rank said its final word
+        (``cause`` None on the entry: the KV landed on every rank)."""
         entry = self._pending.pop(tid)
         self._ledger.release(tid)
         self._results.finished.add(entry.expect.req_id)
@@ -225,7 +332,7 @@ class Receiver:
         if entry.aborted:
             self._counters.add("aborted.released")
             return
-        if cause is not None:
-            self._counters.add(f"receive_failed.{cause.value}")
+        if entry.cause is not None:
+            self._counters.add(f"receive_failed.{entry.cause.value}")
             self._counters.add("fallback")
             self._results.load_errors.update(entry.expect.dst_block_ids)

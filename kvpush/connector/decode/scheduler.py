@@ -10,6 +10,14 @@ Prefill's answers to registrations come back on this socket: Failures and
 requests for a Hello are forwarded to the worker in the next step's
 metadata (this process never touches the receives themselves).
 
+Tensor parallelism: block ids are the same on every rank, so this one
+scheduler sends one Registration (and any Cancel of its own) to every
+prefill rank's side channel (``prefill_port + r``,
+:mod:`kvpush.transfer.ranks`), and its metadata reaches every decode worker
+rank: a Failure from any prefill rank reaches them all. A leg whose
+``prefill_tp`` this decode cannot pair with its own TP size is served
+locally (``rejected.incompatible``) before anything is sent.
+
 Siblings (``n > 1``): vLLM fans a request out into children with the same
 ``kv_transfer_params``; one prefill pushes one transfer, and the children
 share it. The first child seen owns the transfer id and registers; a later
@@ -45,6 +53,7 @@ from kvpush.connector.legs import Legs
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
 from kvpush.connector.side_channel import Peers
 from kvpush.connector.trace import Tracer
+from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT
 from kvpush.transfer.messages import (
     Cancel,
     Cause,
@@ -53,6 +62,7 @@ from kvpush.transfer.messages import (
     HelloRequest,
     Registration,
 )
+from kvpush.transfer.ranks import TpPair, side_channel_port
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +101,25 @@ class DecodeScheduler:
         first = self._legs.first_of(rid)
         if first is not None:
             return self._sibling(rid, first, leg), False
+        problem = self._tp_problem(leg)
+        if problem is not None:
+            self.counters.add("rejected.incompatible")
+            logger.error("kvpush: serving %s locally: %s", rid, problem)
+            self._give_up(rid, leg, problem)
+            return 0, False
         num_external = request.num_prompt_tokens - num_computed_tokens
         if num_external <= 0:
             self._give_up(rid, leg, "decode holds the whole prompt")
             return 0, False
         self._local_hits[rid] = num_computed_tokens
         return num_external, True
+
+    def _tp_problem(self, leg: DecodeLeg) -> str | None:
+        """Why this decode's ranks cannot receive from the leg's prefill TP
+        size (:meth:`TpPair.problem`), or None."""
+        c = self.config
+        pair = TpPair(leg.prefill_tp, c.tp_size, c.total_kv_heads)
+        return pair.problem(REQUIRED_KV_CACHE_LAYOUT, c.use_mla)
 
     def _sibling(self, rid: str, first: str, leg: DecodeLeg) -> int | None:
         """None while ``first``'s receive is pending (within the wait's
@@ -151,6 +174,7 @@ class DecodeScheduler:
             ttl_s=self.config.registration_ttl_s,
             first_block=first,
             claim_token=leg.claim_token,  # late binding: what lets us claim it
+            decode_tp=self.config.tp_size,  # which ranks each prefill rank writes
         )
         self._meta.expects.append(
             RecvExpect(
@@ -160,17 +184,20 @@ class DecodeScheduler:
                 prefill_engine_id=leg.prefill_engine_id,
                 prefill_host=leg.prefill_host,
                 prefill_port=leg.prefill_port,
+                prefill_tp=leg.prefill_tp,
             )
         )
-        if not self._send(leg.prefill_host, leg.prefill_port, reg):
-            self.counters.add("registration.not_sent")
-            failure = Failure(
-                transfer_id=leg.transfer_id,
-                engine_id=self.config.engine_id,
-                cause=Cause.SEND_FAILED,
-                detail="the registration could not be queued",
-            )
-            self._meta.failures.append(failure)  # no WRITE can come: fall back
+        for rank, port in _rank_ports(leg):
+            if not self._send(leg.prefill_host, port, reg):
+                self.counters.add("registration.not_sent")
+                failure = Failure(
+                    transfer_id=leg.transfer_id,
+                    engine_id=self.config.engine_id,
+                    cause=Cause.SEND_FAILED,
+                    detail="the registration could not be queued",
+                    rank=rank,
+                )
+                self._meta.failures.append(failure)  # that rank cannot write
         self.tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst),
                          request_id=rid)  # fmt: skip
         self._closed.add(rid)
@@ -222,8 +249,9 @@ class DecodeScheduler:
         cancel = Cancel(
             transfer_id=leg.transfer_id, engine_id=self.config.engine_id, reason=reason
         )
-        if not self._peers.send(leg.prefill_host, leg.prefill_port, cancel):
-            self.counters.add("cancel.not_sent")  # prefill's deadline covers it
+        for _, port in _rank_ports(leg):
+            if not self._peers.send(leg.prefill_host, port, cancel):
+                self.counters.add("cancel.not_sent")  # its deadline covers it
         self._closed.add(rid)
 
     def update_connector_output(
@@ -241,3 +269,8 @@ class DecodeScheduler:
     def close(self) -> None:
         self._peers.close()
         self.tracer.close()
+
+
+def _rank_ports(leg: DecodeLeg) -> list[tuple[int, int]]:
+    """(rank, side-channel port) of every rank of the leg's prefill."""
+    return [(r, side_channel_port(leg.prefill_port, r)) for r in range(leg.prefill_tp)]

@@ -14,6 +14,12 @@ and those its scheduler forwards), and reports each receive finished
 (``get_finished``) by the rule of :mod:`kvpush.connector.decode.receiver`;
 blocks of a failed receive are reported as load errors so that vLLM does
 not use them.
+
+Tensor parallelism: this is one decode worker rank, with its own agent
+(:func:`kvpush.transfer.ranks.agent_name`). Every rank gets the same
+metadata; each says Hello (naming its rank and TP size) only to the
+prefill ranks it receives from (:meth:`Receiver.sources`), and beats,
+cancels and reconciles with those only.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.decode.heartbeat import Heartbeats
 from kvpush.connector.decode.progress import Progress
 from kvpush.connector.decode.receiver import Receiver
-from kvpush.connector.metadata import DecodeMetadata, RecvExpect
+from kvpush.connector.metadata import DecodeMetadata
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.side_channel import Peers
 from kvpush.connector.trace import Tracer
@@ -79,7 +85,13 @@ class DecodeWorker:
         self._connected: set[Address] = set()
         self._prefill_boots: dict[Address, str] = {}  # from their HelloReply
         self._to_reconcile: set[Address] = set()  # went down off loopback
-        self._receiver = Receiver(config.registration_ttl_s, self.counters)
+        self._receiver = Receiver(
+            config.registration_ttl_s,
+            self.counters,
+            config.tp_rank,
+            config.tp_size,
+            config.total_kv_heads,
+        )
         self._heartbeats = Heartbeats(
             config.engine_id,
             config.boot_id,
@@ -99,6 +111,9 @@ class DecodeWorker:
             agent_name=self._io.name,
             nixl_metadata=self._io.metadata,
             layout=self._io.layout,
+            rank=self.config.tp_rank,
+            tp_size=self.config.tp_size,
+            total_kv_heads=self.config.total_kv_heads,
         )
 
     def bind(self, meta: DecodeMetadata) -> None:
@@ -109,23 +124,22 @@ class DecodeWorker:
         # was idle) and must not fail them.
         self._watch_connections()
         for expect in meta.expects:
-            address = (expect.prefill_host, expect.prefill_port)
-            self._receiver.expect(expect, now, self._prefill_boots.get(address))
+            self._receiver.expect(expect, now, self._prefill_boots)
             self.tracer.mark(
                 expect.transfer_id, "recv_expected", peer=expect.prefill_engine_id
             )
-            self._greet(address)
-        for failure in meta.failures:
-            self._receiver.failed(failure.transfer_id, failure.cause, now)
+            for address in self._receiver.sources(expect):
+                self._greet(address)
+        for f in meta.failures:  # from any prefill rank
+            self._receiver.failed(f.transfer_id, f.cause, f.rank, now)
+        awaited = self._receiver.awaited()
         for address in meta.hello_requests:
-            self._greeted.discard(address)  # that prefill forgot us
-            self._greet(address)
-        for tid in meta.recv_cancels:
-            aborted = self._receiver.abort(tid)
-            if aborted is not None:  # prefill answers with its final word
-                self._ask_final_word(
-                    aborted, "request aborted while its KV was on the way"
-                )
+            if address in awaited:  # not another decode rank's prefill rank
+                self._greeted.discard(address)  # that prefill forgot us
+                self._greet(address)
+        for tid in meta.recv_cancels:  # prefill answers with its final word
+            self._receiver.abort(tid)
+        self._ask_final_words()
         self._heartbeats.set_targets(self._receiver.awaited())
 
     def _greet(self, address: Address) -> None:
@@ -135,14 +149,18 @@ class DecodeWorker:
         if self._peers.send(*address, self._hello):
             self._greeted.add(address)
 
-    def _ask_final_word(self, expect: RecvExpect, reason: str) -> None:
-        cancel = Cancel(
-            transfer_id=expect.transfer_id,
-            engine_id=self.config.engine_id,
-            reason=reason,
-        )
-        if not self._peers.send(expect.prefill_host, expect.prefill_port, cancel):
-            self.counters.add("cancel.not_sent")
+    def _ask_final_words(self) -> None:
+        """Send the Cancels the receiver asks for: each awaited prefill rank
+        answers with its final word."""
+        for ask in self._receiver.take_asks():
+            cancel = Cancel(
+                transfer_id=ask.expect.transfer_id,
+                engine_id=self.config.engine_id,
+                reason=ask.reason,
+            )
+            for address in ask.addresses:
+                if not self._peers.send(*address, cancel):
+                    self.counters.add("cancel.not_sent")
 
     def get_finished(self) -> set[str]:
         """Decode requests whose KV has arrived or has failed."""
@@ -161,10 +179,10 @@ class DecodeWorker:
                 continue
             if isinstance(msg, Done):
                 self.tracer.mark(msg.transfer_id, "notif_received")
-                self._receiver.done(msg.transfer_id, now)
+                self._receiver.done(msg.transfer_id, msg.rank, now)
         self._read_replies(now)
-        for expect in self._receiver.expire(now):
-            self._ask_final_word(expect, "decode's deadline passed")
+        self._receiver.expire(now)
+        self._ask_final_words()
         self._heartbeats.set_targets(self._receiver.awaited())
         results = self._receiver.take()
         self._load_errors |= results.load_errors
@@ -173,14 +191,14 @@ class DecodeWorker:
     def _read_replies(self, now: float) -> None:
         for address, msg in self._peers.receive():
             if isinstance(msg, Failure):
-                self._receiver.failed(msg.transfer_id, msg.cause, now)
+                self._receiver.failed(msg.transfer_id, msg.cause, msg.rank, now)
             elif isinstance(msg, HelloRequest):
                 self._greeted.discard(address)
                 self._greet(address)
             elif isinstance(msg, HelloReply):
                 self._hello_reply(address, msg)
             elif isinstance(msg, Done):  # a Reconcile's answer: the KV landed
-                self._receiver.done(msg.transfer_id, now)
+                self._receiver.done(msg.transfer_id, msg.rank, now)
 
     def _hello_reply(self, address: Address, reply: HelloReply) -> None:
         old = self._prefill_boots.get(address)
@@ -191,9 +209,14 @@ class DecodeWorker:
             self._receiver.peer_restarted(address, reply.boot_id)
         if not reply.accepted:
             logger.error(
-                "kvpush: prefill %s refused us: %s", reply.engine_id, reply.reason
+                "kvpush: prefill %s rank %d refused decode rank %d; its "
+                "transfers fall back to local compute: %s",
+                reply.engine_id,
+                reply.rank,
+                self.config.tp_rank,
+                reply.reason,
             )
-            self._receiver.peer_refused(reply.engine_id)
+            self._receiver.peer_refused(address)
         elif address in self._to_reconcile:
             self._reconcile(address)
         self._to_reconcile.discard(address)

@@ -87,8 +87,11 @@ class Endings:
         closing, tid = stream.closing, stream.transfer_id
         self.release(tid)
         if closing is not None:
-            route = route or stream.answer_route
-            self.word(tid, stream.engine, closing.cause, closing.why, route)
+            routes = [route] if route else stream.answer_routes
+            first = routes[0] if routes else None
+            self.word(tid, stream.engine, closing.cause, closing.why, first)
+            for other in routes[1:]:  # each decode rank that cancelled
+                self._tell.repeat(tid, other)
 
     def word(
         self, tid: str, engine: str, cause: Cause | None, why: str, route: bytes | None

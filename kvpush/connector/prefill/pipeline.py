@@ -37,6 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -53,6 +54,8 @@ from kvpush.connector.prefill.stream import Stream, Streams
 from kvpush.connector.prefill.tell import Teller
 from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
+from kvpush.transfer.heads import HeadSlice
+from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT
 from kvpush.transfer.matcher import (
     Matched,
     Matcher,
@@ -71,12 +74,14 @@ from kvpush.transfer.messages import (
     Reconcile,
     Registration,
 )
+from kvpush.transfer.ranks import TpPair
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # longest sleep of the writer thread
 WRITE_TIMEOUT_S = 30.0  # a WRITE in flight longer than this is counted late
 POLL_S = 0.0005  # poll period while a device fence is pending
+MAX_IDLE = 4096  # ids registered with this rank that it writes nothing of
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,10 @@ class WriterConfig:
     boot_id: str = "0"  # this start of the prefill (sent in HelloReply)
     peer_timeout_s: float = 10.0  # a decode silent this long is dropped
     write_timeout_s: float = WRITE_TIMEOUT_S
+    tp_size: int = 1  # this prefill instance's --tensor-parallel-size
+    rank: int = 0  # this worker's TP rank (its side channel: base port + rank)
+    total_kv_heads: int = 0  # the model's, over every rank (0: not known)
+    use_mla: bool = False  # MLA's latent cache: equal TP sizes only
 
     def __post_init__(self) -> None:
         if self.peer_timeout_s <= 0 or self.write_timeout_s <= 0:
@@ -123,14 +132,17 @@ class Pipeline:
         self._tracer, self._counters, self._faults = tracer, counters, faults
         self._matcher = Matcher(config.matcher)
         self._peers = DecodePeers(config.peer_timeout_s)
+        self._tp_size, self._rank = config.tp_size, config.rank
+        self._total_kv_heads, self._use_mla = config.total_kv_heads, config.use_mla
+        self._idle: OrderedDict[str, None] = OrderedDict()  # nothing to write
         self._writes = Writes(
-            io, config.engine_id, tracer, counters, config.write_timeout_s
+            io, config.engine_id, tracer, counters, config.write_timeout_s, config.rank
         )
         self._later: list[tuple[float, int, Ready]] = []  # fault-delayed KV
         self._seq = itertools.count()
         self._to_post = Posting()
         self._streams = Streams()
-        self._tell = Teller(config.engine_id, reply, counters)
+        self._tell = Teller(config.engine_id, reply, counters, config.rank)
         self._reconciler = Reconciler(
             self._matcher, self._streams, self._tell, counters
         )
@@ -243,6 +255,12 @@ class Pipeline:
             return
         if self._streams.is_orphan(item.ready, req_id):
             return  # its transfer already ended; nothing more is sent
+        if tid in self._idle:  # registered; this rank writes none of it
+            del self._idle[tid]
+            self._finished(req_id)
+            if not item.ready.final:
+                self._streams.orphan(tid, req_id)
+            return
         if stream is not None:  # another request's KV holds this id
             self._counters.add("rejected.duplicate")
             logger.warning("kvpush: second KV for transfer %s refused", tid)
@@ -277,9 +295,15 @@ class Pipeline:
 
     def _registration(self, route: bytes, reg: Registration, now: float) -> None:
         tid, engine = reg.transfer_id, reg.decode_engine_id
-        problem = self._peers.range_problem(reg)
+        pair = self._pair(reg.decode_tp)
+        tp_problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT, self._use_mla)
+        problem = tp_problem or self._peers.range_problem(reg)
+        if problem is None and not pair.targets_of(self._rank):
+            self._idle_registration(tid, now)
+            return
         if problem is not None:  # refused; the transfer is closed
-            self._counters.add("rejected.out_of_range")
+            kind = "incompatible" if tp_problem else "out_of_range"
+            self._counters.add(f"rejected.{kind}")
             self._endings.drop_all(self._matcher.cancel(tid, problem, now), None)
             self._endings.fail(tid, engine, Cause.REJECTED, problem, route)
             return
@@ -296,11 +320,28 @@ class Pipeline:
             self._endings.fail(tid, engine, Cause.REJECTED, result.reason, route)
             return
         self._tell.registered(tid, route)
-        if not self._peers.knows(engine, reg.decode_boot_id):
+        ranks = pair.target_ranks(self._rank)
+        if not self._peers.knows(engine, reg.decode_boot_id, ranks):
             ask = HelloRequest(self._engine_id, reg.decode_boot_id, tid)
             self._reply(route, ask)
         if isinstance(result, Matched):
             self._matched(result, now)
+
+    def _pair(self, decode_tp: int) -> TpPair:
+        """This prefill's TP size and a decode's (the model's heads, ours)."""
+        return TpPair(self._tp_size, decode_tp, self._total_kv_heads)
+
+    def _idle_registration(self, tid: str, now: float) -> None:
+        """A registration this rank writes nothing of (its heads are a
+        replicated copy the mapping does not read): decode waits for no
+        word from it; its KV, in now or later, is freed at once."""
+        self._counters.add("idle_rank")
+        dropped = self._matcher.cancel(tid, "this rank writes nothing", now)
+        self._endings.drop_all(dropped, None)  # frees a ready KV already in
+        if not any(d.ready is not None for d in dropped):
+            self._idle[tid] = None
+            while len(self._idle) > MAX_IDLE:
+                self._idle.popitem(last=False)
 
     # -- phase 2: matched, to post -------------------------------------------
 
@@ -308,14 +349,19 @@ class Pipeline:
         stream = self._streams.get(m.transfer_id)
         if stream is None:  # unreachable: the ready half opened a stream
             raise RuntimeError(f"matched {m.transfer_id} has no stream")
-        stream.match(m, self._block_size, self._io.layout.num_layers)
-        self._schedule(stream, now + self._faults.post_delay_s())
+        targets = self._pair(m.registration.decode_tp).targets_of(self._rank)
+        stream.match(m, self._block_size, self._io.layout.num_layers, targets)
+        stream.not_before = now + self._faults.post_delay_s()
+        self._schedule(stream, now)
 
-    def _schedule(self, stream: Stream, not_before: float) -> None:
-        """Back to *to post* if an item of this matched stream is due."""
+    def _schedule(self, stream: Stream, now: float) -> None:
+        """Back to *to post* if an item of this matched stream is due (not
+        before the fault file's post delay from the match, for every item:
+        a chunk due only after the match is held back as well)."""
         m = stream.matched
         if m is not None and m.transfer_id not in self._to_post and stream.has_due():
-            self._to_post.add(m, not_before)
+            not_before = max(now, stream.not_before)
+            self._to_post.add(m, not_before, stream.target_ranks)
 
     def _postable(self, tid: str) -> bool:
         """A WRITE of ``tid`` is ready to post (its chunks' fences completed)."""
@@ -343,25 +389,35 @@ class Pipeline:
             self._post(tp, now)
 
     def _post(self, tp: ToPost, now: float) -> None:
-        m, peer = tp.matched, self._peers.get(tp.engine)
+        m = tp.matched
+        stream = self._streams.get(m.transfer_id)
+        targets = stream.targets if stream is not None else ()
+        peers = [
+            (peer, s)
+            for s in targets
+            if (peer := self._peers.get(tp.engine, s.dst_rank)) is not None
+        ]
         problem = self._peers.range_problem(m.registration)
-        if problem is not None or peer is None:
+        if problem is not None or not targets or len(peers) < len(targets):
             self._counters.add("rejected.out_of_range")
             self._endings.end(
                 m.transfer_id, tp.engine, Cause.REJECTED, problem or "no peer"
             )
             return
-        stream = self._streams.get(m.transfer_id)
         write = stream.next_write() if stream is not None else None
         if stream is None or write is None:
             return
+        num_posted, total = 0, len(m.dst_block_ids)
         try:
-            total = len(m.dst_block_ids)
-            self._writes.post(write.items, peer, tp.engine, now, total)
+            for peer, head_slice in peers:
+                self._writes.post(write.items, peer, head_slice, tp.engine, now, total)
+                num_posted += 1
         except Exception as e:
+            if num_posted:
+                stream.posted(write, num_posted)
             self._endings.end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, str(e))
             return
-        stream.posted(write)
+        stream.posted(write, num_posted)
         self._schedule(stream, now)  # the next layers, as they are written
 
     # -- phase 3: in flight ----------------------------------------------------
@@ -381,11 +437,15 @@ class Pipeline:
             logger.error("kvpush: a WRITE of %s ended with no stream", tid)
             return
         stream.item_ended()
-        if outcome is Outcome.DONE and flight.notify:  # its Done: the final word
-            self._tracer.mark(tid, "write_done")
-            self._endings.release(tid)
-            self._tell.done(tid, engine, flight.num_blocks)
-            return
+        if outcome is Outcome.DONE and flight.notify:  # its Done reached its rank
+            stream.done_ranks.add(flight.dst_rank)
+            if stream.is_written:  # every target's Done: the final word
+                self._tracer.mark(tid, "write_done")
+                self._endings.release(tid)
+                self._tell.done(tid, engine, flight.num_blocks)
+                return
+            if stream.closing is None:
+                return  # other targets' Done WRITEs are in flight
         if outcome is not Outcome.DONE:
             stream.write_failed()
         if stream.closing is None:
@@ -407,17 +467,51 @@ class Pipeline:
         known = self._peers.get(hello.engine_id)
         if known is not None and known.boot_id != hello.boot_id:
             self._forget(hello.engine_id, "decode restarted", now, hello.boot_id)
-        problem = self._peers.accept(hello, route, self._io.layout, self._io.load_peer)
+        problem, head_slice = self._rank_problem(hello)
+        if head_slice is not None:
+            problem = self._peers.accept(
+                hello, route, self._io.layout, self._io.load_peer, head_slice
+            )
         reply = HelloReply(
             engine_id=self._engine_id,
             accepted=problem is None,
             boot_id=self._boot_id,
             reason=problem or "",
+            rank=self._rank,
         )
         self._reply(route, reply)
         if problem is not None:
             self._counters.add("rejected.incompatible")
-            logger.warning("kvpush: refused decode %s: %s", hello.engine_id, problem)
+            logger.warning(
+                "kvpush: refused decode %s rank %d: %s",
+                hello.engine_id,
+                hello.rank,
+                problem,
+            )
+
+    def _rank_problem(self, hello: Hello) -> tuple[str | None, HeadSlice | None]:
+        """What this rank writes to the decode rank that said ``hello``
+        (:class:`~kvpush.transfer.ranks.TpPair`), or why it writes nothing:
+        (problem, None) or (None, its head slice)."""
+        mine, theirs = self._total_kv_heads, hello.total_kv_heads
+        if mine and theirs and mine != theirs:
+            return (
+                f"the model's KV heads differ: prefill has {mine}, decode "
+                f"{theirs} (serve the same model on both)",
+                None,
+            )
+        pair = TpPair(self._tp_size, hello.tp_size, mine if mine == theirs else 0)
+        problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT, self._use_mla)
+        if problem is not None:
+            return problem, None
+        for head_slice in pair.targets_of(self._rank):
+            if head_slice.dst_rank == hello.rank:
+                return None, head_slice
+        return (
+            f"prefill rank {self._rank} does not write to decode rank "
+            f"{hello.rank} (a decode rank says Hello only to its sources)",
+            None,
+        )
 
     def _forget(
         self, engine: str, why: str, now: float, new_boot: str | None = None
@@ -468,7 +562,8 @@ class Pipeline:
             return
         stream = self._streams.matched(tid)
         if stream is not None:
-            stream.answer_route = route
+            if route not in stream.answer_routes:
+                stream.answer_routes.append(route)
             self._endings.end(tid, cancel.engine_id, Cause.CANCELLED, why, route)
             return
         self._endings.drop_all(self._matcher.cancel(tid, cancel.reason, now), None)

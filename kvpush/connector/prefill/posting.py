@@ -18,11 +18,14 @@ from dataclasses import dataclass
 from kvpush.transfer.matcher import Matched
 from kvpush.transfer.messages import Cause
 
+ZERO = frozenset({0})  # decode rank 0 alone: no tensor parallelism
+
 
 @dataclass(frozen=True)
 class ToPost:
     matched: Matched
     not_before: float  # fault injection's delay; the match time otherwise
+    ranks: frozenset[int] = ZERO  # the decode ranks it is written to
 
     @property
     def transfer_id(self) -> str:
@@ -53,8 +56,11 @@ class Posting:
     def __init__(self) -> None:
         self._items: dict[str, ToPost] = {}
 
-    def add(self, matched: Matched, not_before: float) -> None:
-        self._items[matched.transfer_id] = ToPost(matched, not_before)
+    def add(
+        self, matched: Matched, not_before: float, ranks: frozenset[int] = ZERO
+    ) -> None:
+        """``matched`` waits to be written to decode ranks ``ranks``."""
+        self._items[matched.transfer_id] = ToPost(matched, not_before, ranks)
 
     def pop(self, tid: str) -> ToPost | None:
         return self._items.pop(tid, None)
@@ -82,14 +88,15 @@ class Posting:
     def sweep(
         self,
         now: float,
-        knows: Callable[[str, str], bool],
+        knows: Callable[[str, str, frozenset[int]], bool],
         fence_ready: Callable[[str], bool],
     ) -> tuple[list[ToPost], list[Overdue]]:
-        """Take out (to post now, overdue). ``knows(engine, boot)``: that
-        decode boot said Hello; ``fence_ready(tid)``: its KV is written."""
+        """Take out (to post now, overdue). ``knows(engine, boot, ranks)``:
+        those ranks of that decode boot said Hello; ``fence_ready(tid)``:
+        its KV is written."""
         postable, overdue = [], []
         for tid, tp in list(self._items.items()):
-            known, ready = knows(tp.engine, tp.boot), fence_ready(tid)
+            known, ready = knows(tp.engine, tp.boot, tp.ranks), fence_ready(tid)
             if now > tp.matched.post_deadline:
                 del self._items[tid]
                 overdue.append(_overdue(tp, known, ready))

@@ -22,6 +22,11 @@ a whole push (``--push-granularity request``) is a stream of one chunk.
   separate WRITEs, and Done tells decode every block landed). Meanwhile the
   rest goes as a WRITE of its own, less the *Done piece*: the last block
   of the last group of layers.
+* With tensor parallelism each WRITE goes to every decode rank this
+  prefill rank writes (:attr:`Stream.targets`, one head slice each): one
+  WRITE per target, each counted in :attr:`Stream.in_flight`, so the Done
+  pieces wait for every earlier WRITE to every target; the transfer is
+  written once every target's Done WRITE completed (:attr:`Stream.done_ranks`).
 * Once :meth:`Stream.close` is called (cancelled, preempted, expired, a
   WRITE failed, decode lost) nothing more is offered; the pipeline ends
   the transfer when its last WRITE in flight ends (:attr:`in_flight`).
@@ -34,6 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvpush.connector.prefill.fence import LayerFences, ReadyFence
+from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause
 from kvpush.transfer.work import WorkItem
@@ -84,7 +90,10 @@ class Stream:
         self.matched: Matched | None = None
         self.in_flight = 0  # WRITEs posted, not ended
         self.closing: Closing | None = None
-        self.answer_route: bytes | None = None  # decode's Cancel came there
+        self.answer_routes: list[bytes] = []  # decode ranks' Cancels came there
+        self.targets: tuple[HeadSlice, ...] = ()  # what goes to which decode rank
+        self.done_ranks: set[int] = set()  # targets whose Done WRITE completed
+        self.not_before = 0.0  # fault injection: no WRITE before (from the match)
         self._src: list[int] = []
         self._chunks: list[tuple[int, ReadyFence]] = []  # (blocks known, fence)
         self._num_whole = 0  # leading chunks whose every layer is written
@@ -110,10 +119,18 @@ class Stream:
         self.final = chunk.final
         return None
 
-    def match(self, matched: Matched, block_size: int, num_layers: int) -> None:
-        """Decode's registration: its blocks from ``first_block`` on (a
-        late-bound stream learns its decode engine here)."""
+    def match(
+        self,
+        matched: Matched,
+        block_size: int,
+        num_layers: int,
+        targets: tuple[HeadSlice, ...],
+    ) -> None:
+        """Decode's registration: its blocks from ``first_block`` on, to be
+        written as ``targets`` (a late-bound stream learns its decode
+        engine here)."""
         self.matched = matched
+        self.targets = targets
         self.engine = matched.registration.decode_engine_id
         self._num_blocks = -(-self.num_tokens // block_size)
         self._num_layers = num_layers
@@ -130,6 +147,15 @@ class Stream:
         """A WRITE of it failed: that is the final word's cause, whatever
         closed the stream before."""
         self.closing = Closing(Cause.WRITE_FAILED, "NIXL reported an error")
+
+    @property
+    def target_ranks(self) -> frozenset[int]:
+        return frozenset(s.dst_rank for s in self.targets)
+
+    @property
+    def is_written(self) -> bool:
+        """Every target's Done WRITE completed (the transfer's final word)."""
+        return bool(self.targets) and self.done_ranks >= self.target_ranks
 
     @property
     def is_open(self) -> bool:
@@ -177,13 +203,14 @@ class Stream:
         )
         return StreamWrite(items, tuple(spans))
 
-    def posted(self, write: StreamWrite) -> None:
+    def posted(self, write: StreamWrite, num_writes: int = 1) -> None:
+        """``write`` went out, as ``num_writes`` WRITEs (one per target)."""
         for span in write.spans:
             for layer in span.layers:
                 self._sent[layer] = span.end
             if span.end == self._num_blocks:
                 self._num_unsent -= len(span.layers)
-        self.in_flight += 1
+        self.in_flight += num_writes
 
     def item_ended(self) -> None:
         self.in_flight -= 1
@@ -298,8 +325,8 @@ class Streams:
     def reroute(self, tid: str, route: bytes) -> None:
         """Decode reconnected: a cancelled transfer is answered on ``route``."""
         stream = self._streams.get(tid)
-        if stream is not None and stream.answer_route is not None:
-            stream.answer_route = route
+        if stream is not None and stream.answer_routes:
+            stream.answer_routes = [route]  # the old socket is gone
 
     def of_engine(self, engine: str, other_than_boot: str | None) -> list[Stream]:
         """Matched streams registered by ``engine`` (and not by that boot)."""

@@ -68,8 +68,10 @@ class Teller:
         engine_id: str,
         reply: Callable[[bytes, Message], None],
         counters: Counters,
+        rank: int = 0,
     ) -> None:
         self._engine_id, self._reply, self._counters = engine_id, reply, counters
+        self._rank = rank  # this prefill worker's TP rank, named in every word
         self._reg_route: dict[str, bytes] = {}  # where its Registration came from
         self.words = FinalWords()
 
@@ -86,7 +88,7 @@ class Teller:
     def done(self, tid: str, decode_engine_id: str, num_blocks: int) -> None:
         """``tid``'s WRITE completed: its Done told decode (remembered)."""
         self._reg_route.pop(tid, None)
-        done = Done(transfer_id=tid, engine_id=self._engine_id, num_blocks=num_blocks)
+        done = Done(tid, self._engine_id, num_blocks, rank=self._rank)
         self.words.put(tid, Word(decode_engine_id, done))
 
     def fail(
@@ -103,12 +105,19 @@ class Teller:
         self._counters.add(f"failed.{cause.value}")
         route = route or self._reg_route.pop(tid, None) or worker_route
         self._reg_route.pop(tid, None)
-        failure = Failure(tid, self._engine_id, cause, detail[:MAX_DETAIL])
+        failure = self._failure(tid, cause, detail)
         self.words.put(tid, Word(None, failure))
         if route is None:
             self._counters.add("failed.unroutable")
             return
         self._reply(route, failure)
+
+    def repeat(self, tid: str, route: bytes) -> None:
+        """Say the final word just said on ``tid`` on ``route`` too (another
+        decode rank asked for it)."""
+        word = self.words.get(tid)
+        if word is not None:
+            self._reply(route, word.message)
 
     def refuse(self, tid: str, cause: Cause, detail: str, route: bytes) -> None:
         """Tell the decode on ``route`` that ``tid`` will never be written
@@ -116,7 +125,7 @@ class Teller:
         claimed by that one): nothing of the transfer's own routes and
         final words changes."""
         logger.warning("kvpush: refused %s on another route: %s", tid, detail)
-        self._reply(route, Failure(tid, self._engine_id, cause, detail[:MAX_DETAIL]))
+        self._reply(route, self._failure(tid, cause, detail))
 
     def again(self, tid: str, decode_engine_id: str, route: bytes) -> None:
         """Say the final word on ``tid`` again, on ``route`` (a Reconcile's):
@@ -130,7 +139,12 @@ class Teller:
         elif word.decode_engine_id in (None, decode_engine_id):
             self._reply(route, word.message)
         else:  # another decode's transfer: not its Done, and not forgotten
-            self._reply(route, Failure(tid, self._engine_id, Cause.PEER_LOST, why))
+            self._reply(route, self._failure(tid, Cause.PEER_LOST, why))
+
+    def _failure(self, tid: str, cause: Cause, detail: str) -> Failure:
+        return Failure(
+            tid, self._engine_id, cause, detail[:MAX_DETAIL], rank=self._rank
+        )
 
     def __len__(self) -> int:
         return len(self._reg_route)

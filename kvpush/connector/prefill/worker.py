@@ -82,6 +82,10 @@ class PrefillWorker:
             matcher=matcher,
             boot_id=self.config.boot_id,
             peer_timeout_s=self.config.peer_timeout_s,
+            tp_size=self.config.tp_size,
+            rank=self.config.tp_rank,
+            total_kv_heads=self.config.total_kv_heads,
+            use_mla=self.config.use_mla,
         )
         self._writer = Writer(
             self._io,
@@ -93,7 +97,7 @@ class PrefillWorker:
         )
         self._listener = Listener(
             self.config.side_channel_host,
-            self.config.side_channel_port,
+            self.config.listen_port,  # one side channel per TP rank
             self._writer.on_message,
             self.counters,
             self.config.secret,

@@ -42,7 +42,8 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.nixl_io import NixlIO, XferState
 from kvpush.connector.prefill.decode_peers import DecodePeer
 from kvpush.connector.trace import Tracer
-from kvpush.transfer.coalesce import Descs, descriptors, runs
+from kvpush.transfer.coalesce import Descs, runs
+from kvpush.transfer.heads import HeadSlice, slice_descriptors
 from kvpush.transfer.messages import Done, encode
 from kvpush.transfer.work import WorkItem
 
@@ -68,6 +69,7 @@ class InFlight:
     deadline: float  # past it, the WRITE is counted late (never cancelled)
     num_blocks: int = 0  # the transfer's, for the Done said again on a Reconcile
     notify: bool = True  # it carries the transfer's Done (its last item)
+    dst_rank: int = 0  # the decode worker rank it writes to
     late: bool = False  # past its deadline, counted
     failed: bool = False  # NIXL said ERR; waiting for the release
     next_try: float = 0.0
@@ -75,9 +77,10 @@ class InFlight:
 
 class Writes:
     """The WRITEs in flight; a transfer may have several (streamed: one per
-    chunk, or per chunk and layer), each tracked on its own, keyed here by
-    (transfer id, sequence number): a transfer has a WRITE in flight while
-    any of its (item, layer) pieces is."""
+    chunk, or per chunk and layer; with TP, one per decode rank written to),
+    each tracked on its own, keyed here by (transfer id, sequence number):
+    a transfer has a WRITE in flight while any of its pieces, to any decode
+    rank, is."""
 
     def __init__(
         self,
@@ -86,8 +89,10 @@ class Writes:
         tracer: Tracer,
         counters: Counters,
         timeout_s: float,
+        rank: int = 0,
     ) -> None:
         self._io, self._engine_id, self._tracer = io, engine_id, tracer
+        self._rank = rank  # this prefill worker's TP rank, named in its Done
         self._counters = counters
         self._timeout_s = timeout_s
         self._inflight: dict[tuple[str, int], InFlight] = {}
@@ -98,6 +103,7 @@ class Writes:
         self,
         items: Sequence[WorkItem],
         peer: DecodePeer,
+        head_slice: HeadSlice,
         engine: str,
         now: float,
         total: int,
@@ -107,16 +113,20 @@ class Writes:
         path, one per group of layers when pushed per layer); if the last
         item notifies it carries the transfer's Done, naming all ``total``
         blocks of the transfer (the caller posts it only once no earlier
-        WRITE of the transfer is in flight). Raises when it cannot be
-        posted (a block outside either cache, NIXL refusing)."""
+        WRITE of the transfer is in flight). ``peer`` is the decode rank
+        ``head_slice`` goes to: its heads of each block
+        (:func:`~kvpush.transfer.heads.slice_descriptors`: whole blocks
+        coalesce into runs, a part of a block is one descriptor per block
+        per region). Raises when it cannot be posted (a block outside either
+        cache, layouts whose heads differ, NIXL refusing)."""
         tid = items[-1].transfer_id
         notify = items[-1].notify
-        done = Done(transfer_id=tid, engine_id=self._engine_id, num_blocks=total)
+        done = Done(tid, self._engine_id, total, rank=self._rank)
         layouts = (self._io.layout, peer.layout)
         srcs, dsts, num_runs, num_bytes = [], [], 0, 0
         for item in items:
             block_runs = runs(item.src_block_ids, item.dst_block_ids)
-            src, dst = descriptors(block_runs, *layouts, item.layers)
+            src, dst = slice_descriptors(block_runs, *layouts, item.layers, head_slice)
             srcs.append(src)
             dsts.append(dst)
             num_runs += len(block_runs)
@@ -125,7 +135,9 @@ class Writes:
         handle = self._io.write(
             src, dst, peer.agent_name, encode(done) if notify else b""
         )
-        flight = InFlight(handle, tid, engine, now + self._timeout_s, total, notify)
+        deadline = now + self._timeout_s
+        rank = head_slice.dst_rank
+        flight = InFlight(handle, tid, engine, deadline, total, notify, rank)
         self._inflight[(tid, next(self._seq))] = flight
         self._per_transfer[tid] = self._per_transfer.get(tid, 0) + 1
         layout = self._io.layout
@@ -133,10 +145,14 @@ class Writes:
             tid,
             "write_posted",
             num_descs=len(src),
+            dst_rank=rank,
+            num_heads=head_slice.num_heads,
             num_runs=num_runs,
             num_blocks=sum(item.num_blocks for item in items),
             num_layers=len({layer for item in items for layer in item.layers}),
-            num_bytes=num_bytes * layout.block_bytes * layout.regions_per_layer,
+            num_bytes=num_bytes
+            * _slice_bytes(layout.block_bytes, head_slice)
+            * layout.regions_per_layer,
         )
 
     def next_due(self, now: float) -> float | None:
@@ -214,6 +230,11 @@ class Writes:
             else:
                 kept += 1
         return kept
+
+
+def _slice_bytes(block_bytes: int, head_slice: HeadSlice) -> int:
+    """Bytes of ``head_slice``'s heads in one of the source's blocks."""
+    return block_bytes // head_slice.src.num_heads * head_slice.num_heads
 
 
 def _joined(srcs: list[Descs], dsts: list[Descs]) -> tuple[Descs, Descs]:
