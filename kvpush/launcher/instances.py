@@ -94,6 +94,7 @@ class InstanceSpec:
             engine_id=self.name,
             side_channel_host=self.addresses.side_channel_host,
             side_channel_port=self.side_channel_port,
+            tp_size=self.tp,  # decode registers with each prefill rank
         )
 
 

@@ -308,3 +308,13 @@ def test_state_records_each_instances_tp_and_cores(
     prefill, decode, _router = saved.processes
     assert (prefill.tp, prefill.cores, prefill.side_channel_port) == (2, (0, 0), 5600)
     assert (decode.tp, decode.cores, decode.side_channel_port) == (1, (1,), 5602)
+
+
+def test_the_topology_names_each_instances_tp(tmp_path: Path) -> None:
+    # the router puts prefill's TP in decode's leg: decode registers with
+    # every prefill rank, at the prefill's side-channel port + rank
+    specs = _plan(tmp_path, mode="kvpush", prefill_tp=2, decode_tp=1)
+    assert {s.name: s.backend().tp_size for s in specs} == {
+        "prefill0": 2,
+        "decode0": 1,
+    }
