@@ -51,6 +51,7 @@ class PushDecodeParams(msgspec.Struct, frozen=True, kw_only=True):
             remote_request_id=request_id,
             remote_host=prefill.side_channel_host,
             remote_port=prefill.side_channel_port,
+            tp_size=prefill.tp_size,  # vLLM's push maps heads by prefill's TP
         )
 
 

@@ -149,7 +149,8 @@ def kvpush_legs(cluster: Any, tid: str) -> tuple[PrefillLeg, DecodeLeg]:
         PrefillLeg(transfer_id=tid, decode_engine_id=decode.engine_id),
         DecodeLeg(transfer_id=tid, prefill_engine_id=prefill.engine_id,
                   prefill_host=prefill.side_channel_host,
-                  prefill_port=prefill.side_channel_port),
+                  prefill_port=prefill.side_channel_port,
+                  prefill_tp=prefill.tp_size),
     )  # fmt: skip
 
 

@@ -254,3 +254,20 @@ async def test_concurrent_push_requests_are_paired_by_request_id() -> None:
     for body, reply in zip(bodies, replies, strict=True):
         assert reply.status == 200
         assert reply.json()["choices"][0]["text"] == _expected(body)
+
+
+def test_a_vllm_push_decode_leg_names_prefills_tp() -> None:
+    # vLLM's push connector maps KV heads by the prefill's TP size; naming 1
+    # for a TP 2 prefill made decode's handshake fail on the block sizes.
+    from kvpush.router.requests import PushDecodeParams
+    from kvpush.topology import Backend
+
+    prefill = Backend(
+        role="prefill",
+        url="http://127.0.0.1:8100",
+        engine_id="prefill0",
+        side_channel_host="127.0.0.1",
+        side_channel_port=5600,
+        tp_size=2,
+    )
+    assert PushDecodeParams.for_prefill(prefill, "r1").tp_size == 2
