@@ -353,7 +353,13 @@ def _kill_prefill_then_check(
 
 
 def test_kill_prefill_mid_prefill(cluster, reference):
-    reached = _kill_prefill_then_check(cluster, reference, 30, {}, "reg_received")
+    # The post delay keeps the streamed push (the default) from posting the
+    # chunks already computed, or taken from prefill's prefix cache, before
+    # the kill: this test is about a prefill that dies before any WRITE
+    # (kills mid-stream are test_stream_faults.py's).
+    reached = _kill_prefill_then_check(
+        cluster, reference, 30, {"delay_post_s": 30.0}, "reg_received"
+    )
     # The trace shows whether prefill had finished computing when it died.
     assert "kv_ready" not in reached, f"prefill had finished: {reached}"
 
