@@ -31,7 +31,6 @@ tbf delivers about 95% of it (frame overhead). Pure apart from
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -40,11 +39,11 @@ from typing import Literal, NamedTuple
 import msgspec
 
 from kvpush.bench.stats import Dist
+from kvpush.bench.trace_files import trace_records
 from kvpush.soak.prometheus import parse_samples
 
 MIB = 2**20
 MIN_MEASURED_BYTES = 32 * MIB
-TRACE_DIR = "traces"
 XFER_TIME = "vllm:nixl_xfer_time_seconds"
 XFER_BYTES = "vllm:nixl_bytes_transferred"
 XFER_DESCS = "vllm:nixl_num_descriptors"
@@ -101,13 +100,7 @@ def write_samples(lines: Iterable[dict[str, object]]) -> list[TransferSample]:
 
 def read_write_samples(run_dir: Path) -> list[TransferSample]:
     """Every completed WRITE traced under ``run_dir/traces``."""
-    folder = run_dir / TRACE_DIR
-    lines = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text().splitlines():
-            if '"write_posted"' in line or '"write_done"' in line:
-                lines.append(json.loads(line))
-    return write_samples(lines)
+    return write_samples(list(trace_records(run_dir, ("write_posted", "write_done"))))
 
 
 def in_window(

@@ -30,7 +30,6 @@ shows. Pure apart from :func:`read_traced_writes`.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -42,8 +41,7 @@ import msgspec
 from kvpush.bench.bandwidth import Histogram, NixlTransfers
 from kvpush.bench.records import ABORTED, RequestRecord
 from kvpush.bench.stats import Dist
-
-TRACE_DIR = "traces"
+from kvpush.bench.trace_files import trace_records
 
 
 class TransferDescs(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,17 +160,10 @@ def from_traces(
 
 def read_traced_writes(run_dir: Path) -> list[TracedWrite]:
     """Every WRITE traced under ``run_dir/traces``."""
-    folder = run_dir / TRACE_DIR
-    writes = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text().splitlines():
-            if '"write_posted"' not in line:
-                continue
-            obj = json.loads(line)
-            writes.append(
-                TracedWrite(obj["transfer_id"], float(obj["t"]), int(obj["num_descs"]))
-            )
-    return writes
+    return [
+        TracedWrite(obj["transfer_id"], float(obj["t"]), int(obj["num_descs"]))
+        for obj in trace_records(run_dir, ("write_posted",))
+    ]
 
 
 def meanwhile(

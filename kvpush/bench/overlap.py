@@ -25,7 +25,6 @@ after its last forward. Pure apart from :func:`read_transfers`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +33,9 @@ import msgspec
 
 from kvpush.bench.bandwidth import MIB, shaped_mib_s
 from kvpush.bench.stats import Dist
+from kvpush.bench.trace_files import trace_records
 
-TRACE_DIR = "traces"
-_EVENTS = ('"kv_ready"', '"write_posted"', '"write_done"')
+_EVENTS = ("kv_ready", "write_posted", "write_done")
 
 
 @dataclass
@@ -97,13 +96,7 @@ def collect(lines: Iterable[dict[str, object]]) -> list[TransferTrace]:
 
 def read_transfers(run_dir: Path) -> list[TransferTrace]:
     """Every transfer traced under ``run_dir/traces``."""
-    folder = run_dir / TRACE_DIR
-    lines = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text().splitlines():
-            if any(e in line for e in _EVENTS):
-                lines.append(json.loads(line))
-    return collect(lines)
+    return collect(list(trace_records(run_dir, _EVENTS)))
 
 
 def in_window(

@@ -46,9 +46,9 @@ from typing import Any, Literal
 import msgspec
 
 from kvpush.bench.stats import Dist
+from kvpush.bench.trace_files import TRACE_DIR
 from kvpush.transfer.timeline import EVENTS
 
-TRACE_DIR = "traces"
 MATCHED = "matched"  # derived: both the KV and the registration are there
 LATEST = ("write_posted",)  # events whose last mark counts (one per WRITE)
 

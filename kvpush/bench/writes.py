@@ -9,7 +9,6 @@ from :func:`read_write_sizes`.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import NamedTuple
 
 import msgspec
 
-TRACE_DIR = "traces"
+from kvpush.bench.trace_files import trace_records
 
 
 class WriteSize(NamedTuple):
@@ -41,17 +40,10 @@ class DescriptorStats(msgspec.Struct, frozen=True, kw_only=True):
 
 def read_write_sizes(run_dir: Path) -> list[WriteSize]:
     """The size of every WRITE traced under ``run_dir/traces``."""
-    folder = run_dir / TRACE_DIR
-    sizes = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text().splitlines():
-            if '"write_posted"' not in line:
-                continue
-            obj = json.loads(line)
-            sizes.append(
-                WriteSize(obj["num_descs"], obj["num_runs"], obj["num_blocks"])
-            )
-    return sizes
+    return [
+        WriteSize(obj["num_descs"], obj["num_runs"], obj["num_blocks"])
+        for obj in trace_records(run_dir, ("write_posted",))
+    ]
 
 
 def summarize_writes(
