@@ -116,6 +116,10 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
      "goodput SLO with TTFT at most this (250)"),
     ("--slo-tpot-ms", "slo_tpot_ms", float, "saturation: ... and TPOT at most "
      "this (20)"),
+    ("--prefill-tp", "prefill_tp", int, "tensor-parallel ranks of every prefill, "
+     "in every P/D configuration (1)"),
+    ("--decode-tp", "decode_tp", int, "... of every decode (1)"),
+    ("--colocated-tp", "colocated_tp", int, "... of the colocated instance (1)"),
     ("--repeat", "repeat", int, "rounds: every configuration once per round, "
      "in the same order (A B C D, A B C D, ...), each on a fresh cluster; ratios "
      "to vllm-pull as median [min-max] over rounds (1; with --publish "

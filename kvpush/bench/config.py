@@ -27,6 +27,7 @@ from kvpush.bench.workloads import (
     check_workload,
     workload_defaults,
 )
+from kvpush.launcher.config import MAX_TP
 from kvpush.model.presets import PRESETS as MODEL_PRESETS
 from kvpush.model.presets import preset as model_preset_of
 from kvpush.router.binding import check_policy
@@ -130,6 +131,9 @@ class BenchConfig:
     share_kvpush_cluster: bool | None = None
     repeat: int = 1
     block_size: int | None = None
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    colocated_tp: int = 1
     churn_requests: int = 64
     churn_concurrency: int = 8
     churn_prompt_len: str = "64-2048"
@@ -160,6 +164,9 @@ class BenchConfig:
         )
         self._check_model()
         self._check_hosts()
+        for name in ("prefill_tp", "decode_tp", "colocated_tp"):
+            value = getattr(self, name)
+            require(1 <= value <= MAX_TP, f"{name} must be in 1..{MAX_TP}, not {value}")
 
     def _check_hosts(self) -> None:
         require(

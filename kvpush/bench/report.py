@@ -147,12 +147,25 @@ def _setup(summary: BenchSummary) -> str:
         f"- **Model:** {s.get('model_description', s.get('model'))}, dtype "
         f"{s.get('dtype')}, max_model_len {s.get('max_model_len')}" + _chunk_note(s),
         f"- **Clusters:** colocated = 1 instance; P/D = {s.get('num_prefill')} "
-        f"prefill + {s.get('num_decode')} decode; one core per instance, the "
+        f"prefill + {s.get('num_decode')} decode; {_cores_line(s)}, the "
         "kvpush router in front of each",
         f"- **Workload:** {_workload_line(s)}",
     ]
     hosts = hosts_line(summary)
     return "\n".join([*lines, hosts] if hosts else lines)
+
+
+def _cores_line(s: dict[str, object]) -> str:
+    """How the instances ran: one core each at TP 1, else their TP."""
+    tps = {k: s.get(f"{k}_tp") or 1 for k in ("prefill", "decode", "colocated")}
+    if set(tps.values()) == {1}:
+        return "one core per instance"
+    return (
+        f"tensor parallel: prefill TP {tps['prefill']}, decode TP "
+        f"{tps['decode']} in every P/D configuration, colocated TP "
+        f"{tps['colocated']}; each instance on its own cores, its ranks sharing "
+        "them where it has fewer cores than ranks (docs/tensor-parallel-cpu.md)"
+    )
 
 
 def _chunk_note(s: dict[str, object]) -> str:

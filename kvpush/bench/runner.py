@@ -198,7 +198,8 @@ def cluster_config(
 ) -> ClusterConfig:
     """The cluster of configuration ``name`` (at ``link_gbit`` on a
     rehearsal): its mode, for ``kvpush-<binding>`` its router's binding, for
-    ``kvpush.<granularity>`` prefill's push granularity."""
+    ``kvpush.<granularity>`` prefill's push granularity; every P/D mode
+    runs the same prefill and decode TP, so the baselines stay comparable."""
     mode, binding = cluster_of(name)
     is_pd = mode != "colocated"
     granularity = granularity_of(name) or DEFAULT_PUSH_GRANULARITY
@@ -221,6 +222,9 @@ def cluster_config(
         hosts=config.hosts,
         link_gbit=link_gbit,
         push_granularity=granularity,
+        prefill_tp=config.prefill_tp if is_pd else 1,
+        decode_tp=config.decode_tp if is_pd else 1,
+        colocated_tp=1 if is_pd else config.colocated_tp,
     )
 
 
