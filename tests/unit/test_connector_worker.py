@@ -421,6 +421,21 @@ def test_an_aborted_receive_nobody_answers_stays_held_past_its_deadline(decode):
     assert_idle(decode.worker)
 
 
+def test_a_lost_prefill_is_counted_once_however_often_reconnecting_fails(decode):
+    decode.expect("t1", "r1")
+    decode.peers.connection(PREFILL_ADDR, up=True)
+    decode.step()
+
+    for _ in range(5):  # ZMQ closes a socket at every refused reconnect
+        decode.peers.connection(PREFILL_ADDR, up=False)
+        decode.step()
+
+    assert decode.worker.counters.get("peer_lost") == 1
+    assert decode.worker.counters.get("receive_failed.peer_lost") == 1
+    assert decode.worker.take_load_errors() == {3, 4, 5}
+    assert_idle(decode.worker)
+
+
 def test_a_lost_prefill_connection_fails_its_receives_then_greets_again(decode):
     decode.expect("t1", "r1")
     decode.peers.connection(PREFILL_ADDR, up=True)

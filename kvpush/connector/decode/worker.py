@@ -247,12 +247,16 @@ class DecodeWorker:
                 self._connected.add(address)
                 self._greet(address)
                 continue
-            if address in self._connected:
+            was_connected = address in self._connected
+            if was_connected:
                 logger.warning("kvpush: lost the prefill at %s:%d", *address)
                 self._connected.discard(address)
             self._greeted.discard(address)
             if is_loopback(address[0]):
-                self.counters.add("peer_lost")
+                # counted once per loss: every failed reconnect while the
+                # prefill is down closes a socket too (ZMQ's EVENT_CLOSED)
+                if was_connected:
+                    self.counters.add("peer_lost")
                 self._prefill_boots.pop(address, None)
                 self._receiver.peer_lost(address)
             else:
