@@ -30,6 +30,15 @@ def test_one_uncoalesced_write_is_flagged() -> None:
     assert "on every WRITE: **no**" in descriptor_line("kvpush", stats)
 
 
+def test_a_per_layer_write_is_held_to_its_own_layers() -> None:
+    # 8 layers in the model; per-layer WRITEs of 3 runs carry one layer each.
+    per_layer = [WriteSize(3, 3, 12, num_layers=1), WriteSize(1, 1, 4, num_layers=1)]
+    stats = summarize_writes(per_layer, num_layers=8)
+    assert stats is not None and stats.all_one_per_run_and_layer
+    uncoalesced = summarize_writes([WriteSize(12, 3, 12, num_layers=1)], num_layers=8)
+    assert uncoalesced is not None and not uncoalesced.all_one_per_run_and_layer
+
+
 def test_nothing_written_gives_none() -> None:
     assert summarize_writes([], num_layers=2) is None
 
@@ -41,7 +50,9 @@ def test_sizes_are_read_from_write_posted_lines_only(tmp_path: Path) -> None:
         {"transfer_id": "t1", "event": "kv_ready", "t": 1.0},
         {"transfer_id": "t1", "event": "write_posted", "t": 1.1,
          "num_descs": 4, "num_runs": 2, "num_blocks": 7},
+        {"transfer_id": "t2", "event": "write_posted", "t": 1.2,
+         "num_descs": 2, "num_runs": 2, "num_blocks": 7, "num_layers": 1},
     ]  # fmt: skip
     (traces / "prefill0-1.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
-    assert read_write_sizes(tmp_path) == [WriteSize(4, 2, 7)]
+    assert read_write_sizes(tmp_path) == [WriteSize(4, 2, 7), WriteSize(2, 2, 7, 1)]
     assert read_write_sizes(tmp_path / "missing") == []
