@@ -307,3 +307,34 @@ def side_channel(cluster: Cluster, name: str) -> tuple[str, int]:
 
 def read_lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+def rank_worker_pid(
+    cluster: Cluster, name: str, rank: int, timeout_s: float = 10.0
+) -> int:
+    """The PID of instance ``name``'s TP worker ``rank`` (vLLM titles it
+    ``VLLM::Worker_TP<rank>``), found among the instance's process group."""
+    title = f"::Worker_TP{rank}".encode()
+
+    def find() -> int | None:
+        for pid in proc.group_members(cluster.pid(name)):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if title in cmdline.split(b"\0")[0]:
+                return pid
+        return None
+
+    pid = wait_for(find, timeout_s)
+    assert pid, f"{name} has no process titled *{title.decode()}"
+    return int(pid)
+
+
+def wait_instance_gone(cluster: Cluster, name: str, timeout_s: float) -> bool:
+    """Whether every process of instance ``name`` ended within ``timeout_s``."""
+    return bool(
+        wait_for(
+            lambda: not proc.group_members(cluster.pid(name)), timeout_s, step_s=0.5
+        )
+    )

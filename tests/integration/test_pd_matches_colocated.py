@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from tests.integration import workload
+from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
 
 pytestmark = pytest.mark.integration
@@ -65,6 +65,26 @@ class PDChecks:
         for name in ("prefill0", "decode0"):
             usage = workload.kv_cache_usage(pd_cluster.instance_url(name))
             assert usage == 0.0, f"{name} still holds KV blocks ({usage:.2%})"
+        if self.mode == "kvpush":
+            self._every_receive_was_pushed(pd_cluster)
+
+    @staticmethod
+    def _every_receive_was_pushed(cluster: Cluster) -> None:
+        """A receive that failed falls back to decode's own prefill, which
+        gives the same text: only the connector's counters tell P/D from
+        colocated. None may have failed, and some must have arrived."""
+        faults.nudge(cluster, "decode0")  # counts reach /metrics with a step
+        events = faults.counters(cluster)["decode0"]
+        failed = {
+            k: v
+            for k, v in events.items()
+            if v and (k == "fallback" or k.startswith(("receive_failed.", "rejected.")))
+        }
+        assert failed == {}, f"decode computed prompts itself: {failed}"
+        arrived = faults.instance_metric(
+            cluster, "decode0", "vllm:kvpush_phase_seconds_count", phase="handover"
+        )
+        assert arrived >= len(workload.SHAPES), f"only {arrived:g} receives arrived"
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         # Runs last in the class (pytest keeps definition order).
