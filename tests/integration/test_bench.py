@@ -1,8 +1,10 @@
-"""``kvpush bench --quick`` on real clusters (colocated and vLLM pull): every
-request accounted for, exact token counts, every output file written, every
-cluster stopped; and on the multi-host rehearsal (kvpush, ``--hosts
-netns``): the KV crossed the links once, every WRITE was timed. No timing
-thresholds: this checks the yardstick, not speed."""
+"""``kvpush bench --quick --repeat 2`` on real clusters (colocated and vLLM
+pull, in two interleaved rounds on fresh clusters): every request of every
+round accounted for, exact token counts, every output file written, the
+ratios given as median [min-max] over the rounds, every cluster stopped;
+and on the multi-host rehearsal (kvpush, ``--hosts netns``): the KV
+crossed the links once, every WRITE was timed. No timing thresholds: this
+checks the yardstick, not speed."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 CONFIGS = ("colocated", "vllm-pull")
 NUM_REQUESTS = 6  # the quick preset
+ROUNDS = (1, 2)
 
 
 @pytest.fixture(scope="module")
@@ -28,25 +31,30 @@ def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench") / "results"
     argv = [
         "bench", "--quick", "--configs", ",".join(CONFIGS), "--model", str(model_dir),
-        "--output", str(out), "--port", "28500", "--base-http-port", "28600",
-        "--base-side-channel-port", "29500",
+        "--repeat", str(len(ROUNDS)), "--output", str(out), "--port", "28500",
+        "--base-http-port", "28600", "--base-side-channel-port", "29500",
     ]  # fmt: skip
     assert main(argv) == 0
     return out
 
 
-def test_every_request_is_accounted_for(results: Path) -> None:
+def test_every_request_of_every_round_is_accounted_for(results: Path) -> None:
     summary = load_summary(results)
-    assert [c.name for c in summary.configs] == list(CONFIGS)
+    # interleaved: A B, A B; each round on its own fresh clusters
+    assert [(c.round, c.name) for c in summary.configs] == [
+        (r, name) for r in ROUNDS for name in CONFIGS
+    ]
     assert all(c.status == "ok" for c in summary.configs)
     records = read_records(results / "requests.jsonl")
-    for name in CONFIGS:
-        mine = [r for r in records if r.config == name]
-        assert sorted(r.index for r in mine) == list(range(NUM_REQUESTS))
-        stats = summary.stats(name, 0)
-        assert stats is not None and stats.num_requests == NUM_REQUESTS
-        assert stats.num_ok == NUM_REQUESTS, [r.error_detail for r in mine]
-        assert stats.ttft_ms is not None and stats.ttft_ms.n == NUM_REQUESTS
+    for r in ROUNDS:
+        of_round = summary.in_round(r)
+        for name in CONFIGS:
+            mine = [x for x in records if x.config == name and x.round == r]
+            assert sorted(x.index for x in mine) == list(range(NUM_REQUESTS))
+            stats = of_round.stats(name, 0)
+            assert stats is not None and stats.num_requests == NUM_REQUESTS
+            assert stats.num_ok == NUM_REQUESTS, [x.error_detail for x in mine]
+            assert stats.ttft_ms is not None and stats.ttft_ms.n == NUM_REQUESTS
 
 
 def test_token_counts_are_exact(results: Path) -> None:
@@ -73,12 +81,16 @@ def test_resources_warmup_and_files_are_recorded(results: Path) -> None:
                  "ttft_cdf.png", "timeline.png"):  # fmt: skip
         assert (results / name).stat().st_size > 0
     report = (results / "report.md").read_text()
-    assert "| colocated | 6 / 6 |" in report and "| vllm-pull | 6 / 6 |" in report
+    assert "## Repeated rounds" in report and "2 rounds." in report
+    assert report.count("| colocated | 6 / 6 |") == len(ROUNDS)  # each round's own
+    assert report.count("| vllm-pull | 6 / 6 |") == len(ROUNDS)
 
 
 def test_every_cluster_was_stopped(results: Path) -> None:
-    for name in CONFIGS:
-        assert status(results / "clusters" / name) is None
+    for r in ROUNDS:
+        for name in CONFIGS:
+            run_dir = results / "clusters" / f"round-{r}" / name
+            assert run_dir.is_dir() and status(run_dir) is None
 
 
 # -- on the multi-host rehearsal ----------------------------------------------
