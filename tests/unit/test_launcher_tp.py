@@ -161,10 +161,30 @@ def test_side_channel_ranges_that_reach_the_http_ports_are_refused() -> None:
         ClusterConfig(mode="kvpush", prefill_tp=4, port=5603)
 
 
-def test_every_ranks_side_channel_port_must_be_free(tmp_path: Path) -> None:
-    with socket.socket() as holder:
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _hold_a_port_after_a_free_one() -> socket.socket:
+    """A listening socket on a port whose predecessor is free (another
+    process on the machine may hold any one ephemeral port)."""
+    for _ in range(100):
+        holder = socket.socket()
         holder.bind(("127.0.0.1", 0))
-        holder.listen()
+        if _is_free(holder.getsockname()[1] - 1):
+            holder.listen()
+            return holder
+        holder.close()
+    raise AssertionError("no free port pair found")
+
+
+def test_every_ranks_side_channel_port_must_be_free(tmp_path: Path) -> None:
+    with _hold_a_port_after_a_free_one() as holder:
         taken = holder.getsockname()[1]
         config = ClusterConfig(
             mode="kvpush", prefill_tp=2, num_decode=1, base_side_channel_port=taken - 1
