@@ -164,7 +164,10 @@ def _transfer_scenario(inputs: Inputs, d: Derived, name: str, descs: int) -> Sce
                   inputs.push_turn_ms),
             Phase(f"WRITE post on prefill's thread, {descs:,} descriptors", post),
             Phase("WRITE on the wire", d.wire_ms),
-            Phase("wait for decode's next step (notification read there)", step / 2),
+            # only its writer thread reads notifications, woken at a decode
+            # step's end; the step after takes what it read
+            Phase("notification: writer woken at a step's end, taken at the next",
+                  step / 2 + step),
             Phase("first decode step", step),
         ),
         step,

@@ -62,14 +62,16 @@ PARAMS: tuple[Param, ...] = (
           "NIXL post per descriptor: (280 - 2.68 ms) / (160,000 - 160) descriptors, "
           "BENCHMARKS.md Micro-benchmarks, NIXL's own calls (UCX, 5b663b8); the "
           "published Llama-3.3-70B figure is (46 - 0.46 ms) / (18,880 - 118) = 2.43"),
-    Param("hop_ms", 2.0, "ms", ASSUMED,
-          "pull's second leg: prefill's answer through the router to decode's API "
-          "(on loopback here pull's sequential legs + READ set-up cost 6.6 ms more "
-          "than kvpush's path, docs/performance.md, on 2 shared cores)"),
-    Param("push_turn_ms", 1.0, "ms", ASSUMED,
-          "vLLM push: the finished blocks reach its writer thread in the next prefill "
-          "step's metadata (push_worker.start_load_kv); one scheduler turn, more "
-          "if a forward is already in flight"),
+    Param("hop_ms", 8.0, "ms", MEASURED,
+          "pull's second leg: prefill's answer -> router -> decode's API server "
+          "taking the 1000-token body -> decode allocating, median of 12 idle "
+          "requests here (docs/critical-path.md; a CPU API server: likely less "
+          "on a GPU host's faster cores)"),
+    Param("push_turn_ms", 3.0, "ms", MEASURED,
+          "vLLM push: the finished blocks reach its writer thread only after the "
+          "next prefill step's forward (push_worker.start_load_kv runs after it); "
+          "3 ms idle here (docs/critical-path.md), a whole prefill forward when "
+          "another prompt is waiting"),
     Param("kvpush_setup_ms", 1.1, "ms", MEASURED,
           "kvpush: KV ready -> WRITE posted, p50 of the traces (docs/performance.md, "
           "'Where kvpush's ~15 ms goes')"),
@@ -107,8 +109,8 @@ class Inputs:
     prefill_mfu: float = 0.4
     step_overhead_ms: float = 2.0
     post_us_per_desc: float = 1.73
-    hop_ms: float = 2.0
-    push_turn_ms: float = 1.0
+    hop_ms: float = 8.0
+    push_turn_ms: float = 3.0
     kvpush_setup_ms: float = 1.1
     kvpush_notify_ms: float = 1.4
     decode_step_ms: float = 0.0

@@ -138,6 +138,20 @@ def test_decode_holding_the_prompt_removes_the_prefill_from_push_only() -> None:
     assert s.ttft_ratio("vllm-push") > 3
 
 
+def test_vllm_push_waits_a_step_more_than_kvpush_for_its_notification() -> None:
+    # docs/critical-path.md: vLLM push's notification is read by its writer
+    # thread, woken at a decode step's end, and taken at the next step's end
+    # (1.5 steps on average); kvpush's progress thread has it within the step
+    # decode is running (half a step), so a longer step widens the gap by
+    # exactly one step.
+    def gap(step_ms: float) -> float:
+        inputs = dataclasses.replace(default_inputs(), decode_step_ms=step_ms)
+        s = next(s for s in project(inputs) if s.name == "contiguous")
+        return s.get("vllm-push").ttft_ms - s.get("kvpush").ttft_ms
+
+    assert gap(30.0) - gap(20.0) == pytest.approx(10.0)
+
+
 def test_overrides_replace_the_derived_step_and_prefill() -> None:
     inputs = dataclasses.replace(default_inputs(), decode_step_ms=20, prefill_ms=300)
     d = derive(inputs)
