@@ -27,7 +27,7 @@ from kvpush.bench.workloads import (
     check_workload,
     workload_defaults,
 )
-from kvpush.launcher.config import MAX_TP
+from kvpush.launcher.config import TP_KEYS, check_tp_size
 from kvpush.model.presets import PRESETS as MODEL_PRESETS
 from kvpush.model.presets import preset as model_preset_of
 from kvpush.router.binding import check_policy
@@ -164,9 +164,8 @@ class BenchConfig:
         )
         self._check_model()
         self._check_hosts()
-        for name in ("prefill_tp", "decode_tp", "colocated_tp"):
-            value = getattr(self, name)
-            require(1 <= value <= MAX_TP, f"{name} must be in 1..{MAX_TP}, not {value}")
+        for name in TP_KEYS:
+            check_tp_size(name, getattr(self, name))
 
     def _check_hosts(self) -> None:
         require(

@@ -28,6 +28,7 @@ HOSTS = ("local", "netns")
 FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
 MAX_TP = 64  # tensor-parallel ranks of one instance
+TP_KEYS = ("prefill_tp", "decode_tp", "colocated_tp")
 # vLLM options the launcher sets itself from its TP settings.
 _TP_FLAGS = ("--tensor-parallel-size", "-tp")
 
@@ -167,12 +168,8 @@ class ClusterConfig:
         _require(1 <= self.num_decode <= 8, "--decode must be between 1 and 8")
 
     def _check_tp(self) -> None:
-        for name in ("prefill_tp", "decode_tp", "colocated_tp"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, int) and 1 <= value <= MAX_TP,
-                f"{name} must be between 1 and {MAX_TP}, not {value!r}",
-            )
+        for name in TP_KEYS:
+            check_tp_size(name, getattr(self, name))
         if self.mode == "colocated":
             _require(
                 self.prefill_tp == 1 and self.decode_tp == 1,
@@ -415,6 +412,15 @@ class Addresses:
 
 def _check_mode(mode: str) -> None:
     _require(mode in MODES, f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+
+
+def check_tp_size(name: str, value: object) -> None:
+    """ValueError unless ``value`` is a TP size an instance can run (the
+    launcher's and the benchmark's settings alike)."""
+    _require(
+        isinstance(value, int) and 1 <= value <= MAX_TP,
+        f"{name} must be between 1 and {MAX_TP}, not {value!r}",
+    )
 
 
 def _require(ok: bool, message: str) -> None:
