@@ -13,7 +13,7 @@ from kvpush import env
 from kvpush.bench.cli import add_parser as add_bench_parser
 from kvpush.bench.micro.cli import add_parser as add_bench_micro_parser
 from kvpush.launcher.cli import INSTANCE_KEYS, add_instance_options, add_serve_parser
-from kvpush.launcher.config import HOSTS
+from kvpush.launcher.config import HOSTS, TP_KEYS
 from kvpush.model.presets import PRESETS
 from kvpush.project.cli import add_parser as add_project_parser
 from kvpush.topology import MODES
@@ -298,7 +298,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
     "base_side_channel_port", "startup_timeout_s", "hosts", "link_gbit",
-    "binding", "prefill_tp", "decode_tp", "colocated_tp", *INSTANCE_KEYS,
+    "binding", *TP_KEYS, *INSTANCE_KEYS,
 )  # fmt: skip
 
 
