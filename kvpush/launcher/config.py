@@ -22,12 +22,13 @@ from kvpush.router.binding import check_policy
 from kvpush.settings_file import read_settings_file
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
 from kvpush.topology import MODES
+from kvpush.transfer.ranks import MAX_TP_SIZE
 
 DTYPES = ("float32", "bfloat16", "float16")
 HOSTS = ("local", "netns")
 FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
-MAX_TP = 64  # tensor-parallel ranks of one instance
+MAX_TP = MAX_TP_SIZE  # tensor-parallel ranks of one instance: what the wire takes
 TP_KEYS = ("prefill_tp", "decode_tp", "colocated_tp")
 # vLLM options the launcher sets itself from its TP settings.
 _TP_FLAGS = ("--tensor-parallel-size", "-tp")
