@@ -62,6 +62,13 @@ def restore(cluster: Cluster) -> None:
             cluster.restart(rec.name)
 
 
+def assert_clear_error(reply: client.Reply) -> None:
+    """An OpenAI-shaped error: a 4xx/5xx status with a message and a type."""
+    assert reply.status >= 400, reply.status
+    error = reply.body.get("error", {})
+    assert error.get("message") and error.get("type"), reply.body
+
+
 def set_faults(cluster: Cluster, **faults: Any) -> None:
     """Make the connectors of ``cluster`` misbehave (see kvpush.connector.faults)."""
     (cluster.run_dir / FAULT_FILE).write_text(json.dumps(faults))

@@ -79,12 +79,6 @@ def assert_correct(reference: workload.Outputs, i: int, reply: client.Reply) -> 
     assert problem is None, f"{name}: {problem}"
 
 
-def assert_clear_error(reply: client.Reply) -> None:
-    assert reply.status >= 400, reply.status
-    error = reply.body.get("error", {})
-    assert error.get("message") and error.get("type"), reply.body
-
-
 def assert_pushed(cluster: Cluster, reference: workload.Outputs, i: int) -> None:
     """Request ``i`` is answered correctly through a push, not a fallback."""
     faults.assert_pushed_named(cluster, reference, prompt(i)[0], DEADLINE_S)
@@ -383,7 +377,7 @@ def test_kill_decode_while_it_waits_for_kv(cluster, reference):
         faults.kill_instance(cluster, "decode0")
         reply = pending.result()
 
-    assert_clear_error(reply)  # no other decode to retry on
+    faults.assert_clear_error(reply)  # no other decode to retry on
     assert reply.total_s < 15.0
     # Prefill frees the request's blocks on its own (decode went silent).
     assert faults.delta(before, cluster, "prefill0", "peer_lost") >= 1
