@@ -13,7 +13,7 @@ demo: $(VENV)
 	$(PY) -m kvpush.demo
 
 # Reproduces BENCHMARKS.md and docs/bench/*.png: 3 interleaved rounds of the
-# four configurations, each round on fresh clusters (about 30 minutes: one round took 10.5 min on 2026-12-01).
+# four configurations, each round on fresh clusters (about 25 minutes: 23.5 min on 2026-12-01).
 bench: $(VENV)
 	$(PY) -m kvpush bench --publish
 
