@@ -199,7 +199,8 @@ def _target(summary: BenchSummary, fresh: int, churned: int) -> str:
         f"fresh cache, while vllm-pull's degrades): kvpush {k0:.2f} → {k1:.2f} "
         f"ms, vllm-pull {v0:.2f} → {v1:.2f} ms: "
         + ("met" if met else "**not met**")
-        + " in this round."
+        + " in this round, by sign alone (one round has no noise estimate: "
+        "read a change against the spread over rounds)."
     )
 
 

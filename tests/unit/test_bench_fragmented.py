@@ -296,6 +296,7 @@ def test_the_report_gives_descriptors_decoding_meanwhile_and_the_target() -> Non
     assert "| vllm-pull | +4.00 (+40%) |" in report
     assert "| kvpush | +0.00 (+0%) |" in report
     assert "kvpush 9.00 → 9.00 ms, vllm-pull 10.00 → 14.00 ms: met" in report
+    assert "met in this round, by sign alone" in report  # no noise estimate
     assert "block size 32" in report and "fragmented: " in report
     assert "| vllm-pull | 2 | 2 | 0 | 0 |" in report  # the churn's outcome
 
