@@ -28,7 +28,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 HOSTS = ("local", "netns")
 FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
-MAX_TP = MAX_TP_SIZE  # tensor-parallel ranks of one instance: what the wire takes
 TP_KEYS = ("prefill_tp", "decode_tp", "colocated_tp")
 # vLLM options the launcher sets itself from its TP settings.
 _TP_FLAGS = ("--tensor-parallel-size", "-tp")
@@ -417,10 +416,11 @@ def _check_mode(mode: str) -> None:
 
 def check_tp_size(name: str, value: object) -> None:
     """ValueError unless ``value`` is a TP size an instance can run (the
-    launcher's and the benchmark's settings alike)."""
+    launcher's, ``kvpush serve``'s and the benchmark's settings alike; the
+    bound is what the wire takes)."""
     _require(
-        isinstance(value, int) and 1 <= value <= MAX_TP,
-        f"{name} must be between 1 and {MAX_TP}, not {value!r}",
+        isinstance(value, int) and 1 <= value <= MAX_TP_SIZE,
+        f"{name} must be between 1 and {MAX_TP_SIZE}, not {value!r}",
     )
 
 

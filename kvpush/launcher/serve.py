@@ -20,10 +20,10 @@ from pathlib import Path
 
 from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher.config import (
-    MAX_TP,
     Addresses,
     check_instance_settings,
     check_secret,
+    check_tp_size,
 )
 from kvpush.launcher.instances import (
     InstanceSpec,
@@ -119,8 +119,7 @@ class ServeConfig:
             raise ValueError("give core or cores, not both")
         if any(c < 0 for c in self.cores):
             raise ValueError(f"cores must be CPU numbers >= 0, not {self.cores}")
-        if not 1 <= self.tp <= MAX_TP:
-            raise ValueError(f"tp must be between 1 and {MAX_TP}, not {self.tp}")
+        check_tp_size("tp", self.tp)
         top = self.side_channel_port + self.tp - 1
         if top > 65535 or self.port in range(self.side_channel_port, top + 1):
             raise ValueError(

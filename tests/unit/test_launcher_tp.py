@@ -298,6 +298,8 @@ def test_serve_binds_its_ranks_as_up_does(tmp_path: Path) -> None:
     ("fields", "message"),
     [
         ({"tp": 0}, "tp must be between 1 and 64"),
+        ({"tp": 65}, "tp must be between 1 and 64, not 65"),
+        ({"tp": 2.0}, "tp must be between 1 and 64, not 2.0"),  # as the launcher
         ({"core": 0, "cores": (0, 1)}, "core or cores, not both"),
         ({"cores": (-1,)}, "cores must be CPU numbers"),
         ({"tp": 4, "port": 5602}, "miss the HTTP port 5602"),
