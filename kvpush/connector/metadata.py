@@ -21,9 +21,10 @@ class PushTrigger:
     ``first_block..`` of ``req_id`` (in ``src_block_ids``) are ready to push.
     A whole push is one trigger, ``final``, from block 0, in the step that
     computes the last prompt token. Streamed, each step that completes
-    blocks triggers those; the step with the last token is ``final``.
-    ``cached``: blocks prefill's own prefix cache held, computed by no
-    forward of this request: ready before this step's forward.
+    blocks triggers those (the first trigger also carries the blocks
+    prefill's own prefix cache held); the step with the last token is
+    ``final``. Every trigger is handed to the writer only with a fence of
+    this step's forward (see :class:`~kvpush.connector.prefill.worker.PrefillWorker`).
     ``decode_engine_id`` (early binding) or ``claim_sha256`` (late: no
     decode named yet), from the request's leg."""
 
@@ -34,7 +35,6 @@ class PushTrigger:
     decode_engine_id: str | None
     first_block: int = 0
     final: bool = True
-    cached: bool = False
     claim_sha256: str | None = None
 
 

@@ -1,6 +1,7 @@
 """Through vLLM's pull and push connectors and kvpush's own connector
 (behind kvpush's router), greedy outputs equal a colocated instance's, for
-every API shape, streamed or not, one at a time and 32 at once; ``down``
+every API shape, streamed or not, one at a time and 32 at once, and
+requests sharing a prefix sent together and again; ``down``
 leaves no process behind. kvpush runs at each push granularity: the default
 (auto), whole request, per chunk and per chunk and layer."""
 
@@ -46,6 +47,19 @@ class PDChecks:
         replies = workload.run_concurrent(pd_cluster.url)
         problems = {n: workload.mismatch(reference[n], r) for n, r in replies.items()}
         assert {n: p for n, p in problems.items() if p} == {}
+
+    def test_concurrent_requests_sharing_a_prefix(
+        self, pd_cluster: Cluster, reference: workload.Outputs
+    ) -> None:
+        # Round 1 arrives together: prefill admits some in the step that
+        # fills the prefix's blocks for another. Round 2 repeats it: decode's
+        # prefix cache, filled by round 1's pushes, must hold correct KV.
+        for round_ in (1, 2):
+            replies = workload.run_concurrent(pd_cluster.url, workload.SHARED_PREFIX)
+            problems = {
+                n: workload.mismatch(reference[n], r) for n, r in replies.items()
+            }
+            assert {n: p for n, p in problems.items() if p} == {}, f"round {round_}"
 
     def test_either_arrival_order(
         self, pd_cluster: Cluster, reference: workload.Outputs, first_leg: str

@@ -83,6 +83,18 @@ CONCURRENT: dict[str, tuple[str, dict[str, Any]]] = {
     for i in range(32)
 }
 
+# Eight requests sharing a ~700-word (several-block) prefix, with suffixes
+# from 3 to ~400 words (the long ones are chunked at 256 tokens): sent all
+# at once, a request admitted in the step that computes another's prefix
+# blocks hits blocks that step's forward is still filling.
+_SHARED = text_of(700, seed=7)
+SHARED_PREFIX: dict[str, tuple[str, dict[str, Any]]] = {
+    f"shared-prefix-{i}": _completion(
+        f"{_SHARED} {text_of(3 + 130 * (i % 4), seed=300 + i)}", stream=i % 3 == 0
+    )
+    for i in range(8)
+}
+
 
 def send(url: str, path: str, body: dict[str, Any]) -> client.Reply:
     return client.request(url, path, body, timeout_s=180.0)
@@ -97,15 +109,16 @@ def warm_up(url: str) -> None:
 
 def run_all(url: str) -> Outputs:
     """Every request of the workload, one at a time."""
-    return {name: send(url, *req) for name, req in {**SHAPES, **CONCURRENT}.items()}
+    every = {**SHAPES, **CONCURRENT, **SHARED_PREFIX}
+    return {name: send(url, *req) for name, req in every.items()}
 
 
-def run_concurrent(url: str) -> Outputs:
-    """The CONCURRENT requests, all in flight at once."""
-    with ThreadPoolExecutor(max_workers=len(CONCURRENT)) as pool:
-        futures = {
-            name: pool.submit(send, url, *req) for name, req in CONCURRENT.items()
-        }
+def run_concurrent(
+    url: str, requests: dict[str, tuple[str, dict[str, Any]]] = CONCURRENT
+) -> Outputs:
+    """``requests`` (default: the CONCURRENT ones), all in flight at once."""
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = {name: pool.submit(send, url, *req) for name, req in requests.items()}
         return {name: f.result() for name, f in futures.items()}
 
 

@@ -122,21 +122,6 @@ def test_layer_pushes_even_a_one_block_chunk_per_layer_and_chunk_never():
             worker.close()
 
 
-def test_prefills_cached_blocks_go_whole_before_the_layers_of_its_chunk():
-    worker, writer = worker_for("layer")
-    try:
-        cached = trigger("t", (8, 9), cached=True)
-        computed = replace(trigger("t", (1, 2)), first_block=2)
-        worker.bind(PrefillMetadata(triggers=[cached, computed]))
-
-        assert [(r.first_block, type(f)) for r, _, f in writer.ready] == [
-            (0, NoFence),  # no layers to wait for
-            (2, LayerFences),
-        ]
-    finally:
-        worker.close()
-
-
 def test_the_final_chunk_per_layer_marks_kv_ready_after_its_forward():
     worker, writer = worker_for("layer")
     try:

@@ -6,8 +6,8 @@ The scheduler builds a step's metadata before vLLM advances
 ``num_computed_tokens``: after the step's forward the first ``computed +
 scheduled`` tokens hold KV, so the blocks they fill are complete (the last
 block once the whole prompt is). Blocks prefill's own prefix cache held at
-admission need no forward: they are the first trigger, handed over before
-the forward. Uses the scripted scheduler of ``test_connector_scheduler.py``
+admission go with the first chunk (see ``test_connector_shared_prefix.py``).
+Uses the scripted scheduler of ``test_connector_scheduler.py``
 (128-token blocks, a 600-token prompt: 5 blocks) and the recording writer
 of ``test_connector_worker.py``.
 """
@@ -19,10 +19,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvpush.connector.metadata import PreemptedPush, PrefillMetadata, PushTrigger
+from kvpush.connector.metadata import PreemptedPush, PushTrigger
 from kvpush.connector.prefill.scheduler import PrefillScheduler
-from kvpush.connector.prefill.worker import PrefillWorker
-from kvpush.transfer.matcher import ReadyKv
 from tests.fakes.fake_nixl import leftovers
 from tests.unit.test_connector_scheduler import (
     PREFILL_PARAMS,
@@ -34,7 +32,6 @@ from tests.unit.test_connector_scheduler import (
     new,
     run_step,
 )
-from tests.unit.test_connector_worker import RecordingWriter, make_config
 
 
 @pytest.fixture
@@ -88,13 +85,15 @@ def test_a_block_is_triggered_only_once_the_chunk_filling_it_ran(streamed):
     assert last.triggers == [chunk(3, (4, 5), final=True)]
 
 
-def test_prefills_own_prefix_hits_are_the_first_trigger(streamed):
+def test_prefills_own_prefix_hits_go_with_the_first_chunk(streamed):
+    # a hit may be a block another request's forward of this step still
+    # fills: it is pushed after this step's forward, with the chunk
     req = FakeRequest("r2", PREFILL_PARAMS, num_computed_tokens=256)  # 2 blocks hit
     admit(streamed, req)
 
     step1 = run_step(streamed, req, 256, new(req, [8, 9, 1, 2]))
 
-    assert step1.triggers == [chunk(0, (8, 9), cached=True), chunk(2, (1, 2))]
+    assert step1.triggers == [chunk(0, (8, 9, 1, 2))]
 
 
 def test_a_request_aborted_between_two_chunks_keeps_its_blocks_and_cancels(
@@ -147,29 +146,6 @@ def prefill() -> Iterator[PrefillScheduler]:
     sched = PrefillScheduler(replace(config_for("prefill"), push_granularity="request"))
     yield sched
     sched.close()
-
-
-def test_the_worker_hands_cached_blocks_over_before_the_forward():
-    worker = PrefillWorker(make_config("prefill"))
-    writer = RecordingWriter()
-    worker._writer = writer  # type: ignore[assignment]
-    try:
-        worker.bind(
-            PrefillMetadata(triggers=[chunk(0, (8, 9), cached=True), chunk(2, (1, 2))])
-        )
-        assert [r for r, _, _ in writer.ready] == [
-            ReadyKv("t2", (8, 9), 600, "d0", first_block=0, final=False)
-        ], "cached blocks need no forward"
-
-        worker.wait_for_save()
-
-        assert [r for r, _, _ in writer.ready][1:] == [
-            ReadyKv("t2", (1, 2), 600, "d0", first_block=2, final=False)
-        ]
-        writer.pushed = {"r2"}
-        assert worker.get_finished({"r2"}) == {"r2"}
-    finally:
-        worker.close()
 
 
 @pytest.mark.parametrize(

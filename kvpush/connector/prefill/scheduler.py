@@ -8,8 +8,12 @@ step's forward is done. Streamed (``chunk``), every step that completes
 prompt blocks triggers those blocks: ``build_connector_meta`` runs before
 vLLM advances ``num_computed_tokens``, so after this step's forward the
 first ``computed + scheduled`` tokens hold KV, and the blocks they fill
-are complete (the last block when the whole prompt is); blocks prefill's
-own prefix cache held at admission form the first trigger (``cached``).
+are complete (the last block when the whole prompt is). Blocks prefill's
+own prefix cache held at admission go with the request's first trigger,
+after this step's forward: vLLM caches a block when it allocates it, before
+the forward that writes it, so a hit may be a block another request's
+forward in this very step is still filling ("written by a completed
+forward", ``docs/architecture.md``).
 When the request finishes, vLLM keeps its blocks (``request_finished``
 returns True) until the worker reports the push over (done, failed or
 expired); one aborted between two chunks is also cancelled.
@@ -125,11 +129,9 @@ class PrefillScheduler:
             if after >= prompt_len:
                 self._trigger(state, math.ceil(prompt_len / self.config.block_size))
             elif self._streamed:
-                if state.num_sent == 0 and computed >= self.config.block_size:
-                    self._trigger(state, computed // self.config.block_size, True)
                 self._trigger(state, after // self.config.block_size)
 
-    def _trigger(self, state: _Prefill, end: int, cached: bool = False) -> None:
+    def _trigger(self, state: _Prefill, end: int) -> None:
         """Hand prompt blocks ``num_sent..end-1`` to the worker (the last
         trigger: ``end`` is the prompt's block count)."""
         final = end == math.ceil(
@@ -148,7 +150,6 @@ class PrefillScheduler:
                 decode_engine_id=state.leg.decode_engine_id,
                 first_block=start,
                 final=final,
-                cached=cached,
                 claim_sha256=state.leg.claim_sha256,
             )
         )

@@ -5,10 +5,12 @@ vLLM on the worker's main thread).
 side-channel listener and starts the writer thread. Right after the
 forward that computed a prompt's last token (``wait_for_save``) the KV is
 handed to the writer, with a device fence; streamed, after every forward
-that completed blocks (and, before the first forward, the blocks prefill's
-own prefix cache held). A chunk pushed per layer (``layer``, or ``auto``
-for a large chunk: :meth:`ConnectorConfig.pushes_per_layer`) is handed
-over before its forward, with a :class:`LayerFences`, and each layer's
+that completed blocks (the first chunk also carries the blocks prefill's
+own prefix cache held: they too count as written only after this step's
+forward, which may be the one still filling them). A chunk pushed per
+layer (``layer``, or ``auto`` for a large chunk:
+:meth:`ConnectorConfig.pushes_per_layer`) is handed over before its
+forward, with a :class:`LayerFences`, and each layer's
 ``save_kv_layer`` (right after that layer's attention wrote the KV) tells
 the writer that layer may go, with a per-layer fence; ``wait_for_save``
 then covers every layer with the forward's fence. ``save_kv_layer`` only
@@ -108,21 +110,19 @@ class PrefillWorker:
             self._listener.reply(route, message)
 
     def bind(self, meta: PrefillMetadata) -> None:
-        """Take this step's instructions (before the forward); blocks from
-        prefill's own prefix cache go to the writer now (behind a fence on
-        the work already queued: the forward that computed them), and so
-        do the chunks this forward computes that go per layer, with the
-        forward's :class:`LayerFences` (their layers follow, from
-        :meth:`save_kv_layer`)."""
+        """Take this step's instructions (before the forward). The chunks
+        that go per layer are handed to the writer now, with the forward's
+        :class:`LayerFences`: none of their layers counts as written until
+        :meth:`save_kv_layer` (or :meth:`wait_for_save`) records that
+        layer's fence. Nothing is handed over ready here: a block counts as
+        written only after a forward of this step wrote it, prefix-cache
+        hits included (vLLM caches a block at allocation, before the
+        forward that fills it, and another request may hit it in the same
+        step)."""
         self._meta = meta
         if self._writer is None:
             return
-        cached = [t for t in meta.triggers if t.cached]
-        if cached:
-            self._hand_over(cached, record_fence(self._device_type))
-        self._per_layer = [
-            t for t in meta.triggers if not t.cached and self._goes_per_layer(t)
-        ]
+        self._per_layer = [t for t in meta.triggers if self._goes_per_layer(t)]
         if self._per_layer and self._io is not None:
             self._layers = LayerFences(self._io.layout.num_layers)
             self._hand_over(self._per_layer, self._layers, mark_ready=False)
@@ -171,9 +171,7 @@ class PrefillWorker:
         """After the forward: push the KV this step's forward computed."""
         if self._writer is None:
             return
-        computed = [
-            t for t in self._meta.triggers if not t.cached and t not in self._per_layer
-        ]
+        computed = [t for t in self._meta.triggers if t not in self._per_layer]
         if computed or self._layers is not None:
             fence = record_fence(self._device_type)
             self._hand_over(computed, fence)
