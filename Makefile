@@ -1,5 +1,7 @@
 # The two commands: `make demo` and `make test`. Both set up .venv if needed.
-.PHONY: demo test unit integration lint venv clean bench soak
+# `make test` is the fast tier (about 10 minutes); `make test-full` adds every
+# real-cluster suite (CI runs it: .ci/run).
+.PHONY: demo test test-full unit smoke integration lint venv clean bench soak
 
 VENV := .venv/.kvpush-installed
 PY := .venv/bin/python
@@ -30,10 +32,17 @@ lint: $(VENV)
 unit: $(VENV)
 	$(PY) -m pytest tests/unit -q
 
-integration: $(VENV)
-	$(PY) -m pytest tests/integration -q -m integration
+# The fast tier's real-cluster checks (tests/integration/conftest.py: SMOKE_CLASSES).
+smoke: $(VENV)
+	$(PY) -m pytest tests/integration -q -m "integration and smoke"
 
-test: lint unit integration
+# Every other real-cluster suite.
+integration: $(VENV)
+	$(PY) -m pytest tests/integration -q -m "integration and not smoke"
+
+test: lint unit smoke
+
+test-full: test integration
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache

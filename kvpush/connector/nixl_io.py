@@ -2,6 +2,12 @@
 registered once, remote agents loaded once per peer, WRITEs posted and
 polled, notifications read. Accelerator-agnostic: memory is registered as
 host (DRAM) or device (VRAM) memory according to where vLLM put the cache.
+
+Handles: once ``initialize_xfer`` returned a handle for a WRITE, that
+handle is the caller's until NIXL released it, whatever ``transfer`` said
+(``ERR``) or raised: the backend may have posted part of the WRITE, which
+can still land. Nothing here releases a handle on its own; a WRITE NIXL
+refused at post time comes back as :class:`WriteRefused`, carrying it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ class XferState(enum.Enum):
     PROC = "PROC"  # still running
     DONE = "DONE"  # complete, notification delivered
     ERR = "ERR"  # failed (the backend may still touch the memory until released)
+
+
+class WriteRefused(RuntimeError):
+    """NIXL gave a WRITE a handle but refused to run it (``transfer`` said
+    ``ERR`` or raised). The handle is not released: the caller owns it, as
+    for any WRITE that failed in flight, until :meth:`NixlIO.release`
+    returns True."""
+
+    def __init__(self, handle: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.handle = handle
 
 
 def memory_type(device_type: str) -> str:
@@ -74,14 +91,19 @@ class NixlIO:
         """Post one WRITE of ``src`` into ``peer``'s ``dst`` (parallel arrays
         from :func:`kvpush.transfer.coalesce.descriptors`, which NIXL reads
         without a copy); the peer receives ``notif`` when all of it has
-        landed."""
+        landed. Returns its handle. Raises :class:`WriteRefused`, carrying
+        the handle (still held: see the module docstring), when ``transfer``
+        says ``ERR`` or raises; any other exception (from the descriptors or
+        ``initialize_xfer``) means no handle exists."""
         src_descs = self._agent.get_xfer_descs(src, self.mem_type)
         dst_descs = self._agent.get_xfer_descs(dst, self.mem_type)
         handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notif)
-        state = self._agent.transfer(handle)
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as e:
+            raise WriteRefused(handle, f"NIXL refused the WRITE to {peer}: {e}") from e
         if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise RuntimeError(f"NIXL refused the WRITE to {peer}")
+            raise WriteRefused(handle, f"NIXL refused the WRITE to {peer}")
         return handle
 
     def state(self, handle: Any) -> XferState:

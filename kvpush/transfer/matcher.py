@@ -10,6 +10,9 @@ Who calls what:
 * :meth:`Matcher.add_registration` when a :class:`Registration` arrives;
 * :meth:`Matcher.add_ready` when prefill has computed a prompt whose leg is a
   :class:`PrefillLeg` (the trigger: transfer id, source block ids, tokens);
+* :meth:`Matcher.refresh_ready` on each later chunk of a streamed prompt
+  whose first chunk is still pending here, so its ready deadline counts
+  from the last chunk;
 * :meth:`Matcher.cancel` on a :class:`Cancel` from decode, or when prefill
   aborts the request itself;
 * :meth:`Matcher.expire` periodically (see :meth:`Matcher.next_deadline`).
@@ -75,8 +78,9 @@ class ReadyKv:
     :class:`PrefillLeg`. A whole push is one item with the defaults
     (``first_block`` 0, ``final``). A streamed push sends one per prefill
     chunk, in prompt order, each naming the blocks that chunk completed;
-    only the last is ``final``. The matcher sees only a stream's first
-    chunk (``first_block`` 0): it opens the transfer."""
+    only the last is ``final``. The matcher holds only a stream's first
+    chunk (``first_block`` 0): it opens the transfer; each later chunk
+    only pushes its deadline back (:meth:`Matcher.refresh_ready`)."""
 
     transfer_id: str
     src_block_ids: tuple[int, ...]
@@ -95,7 +99,8 @@ class ReadyKv:
 @dataclass(frozen=True)
 class MatcherConfig:
     """``block_size`` in tokens (both sides must agree: the Hello checks it).
-    ``ready_ttl_s``: how long finished KV waits for its registration.
+    ``ready_ttl_s``: how long finished KV waits for its registration (a
+    streamed prompt's, from its last chunk).
     ``post_margin_s``: a registration's deadline is its arrival plus its
     ``ttl_s`` minus this margin, covering transit and the WRITE itself, so
     prefill never writes into blocks decode has already freed.
@@ -237,6 +242,22 @@ class Matcher:
             problem = "source block ids repeat"
         held = _Held(now + self.config.ready_ttl_s, ready=ready)
         return self._add(ready.transfer_id, "ready", held, problem, now)
+
+    def refresh_ready(self, transfer_id: str, now: float) -> float | None:
+        """Another chunk of ``transfer_id``'s stream arrived (the final one
+        too: a stream waits ``ready_ttl_s`` from its last chunk, as a whole
+        push does from its one): its pending ready half now expires at
+        ``now + ready_ttl_s``, which is returned. A no-op returning None
+        when no ready half of it is pending (unknown, matched, closed) or
+        that half is already due (``deadline <= now``: it never matches,
+        and the next :meth:`expire` drops it)."""
+        held = self._ready.get(transfer_id)
+        if held is None or held.deadline <= now:
+            return None
+        deadline = now + self.config.ready_ttl_s
+        self._ready[transfer_id] = _Held(deadline, ready=held.ready)
+        self._due.set(("ready", transfer_id), deadline)
+        return deadline
 
     def cancel(self, transfer_id: str, reason: str, now: float) -> tuple[Dropped, ...]:
         """Drop whatever is pending for ``transfer_id`` and refuse its later

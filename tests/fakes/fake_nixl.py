@@ -9,12 +9,18 @@ scripted:
 * :meth:`FakeNixlIO.script_polls` — what ``state`` returns for the next
   writes, e.g. ``("PROC", "PROC", "DONE")`` or ``("ERR",)``; the default
   is ``("DONE",)``;
-* :meth:`FakeNixlIO.fail_next_write` — the next ``write`` raises;
+* :meth:`FakeNixlIO.fail_next_write` — the next ``write`` raises before
+  any handle exists (``get_xfer_descs`` or ``initialize_xfer`` raised);
+* :meth:`FakeNixlIO.refuse_next_write` — the next ``write`` gets a handle
+  but ``transfer`` says ``ERR`` or raises: it raises
+  :class:`~kvpush.connector.nixl_io.WriteRefused` carrying that handle
+  (recorded, ``WriteRecord.refused``), which the caller must release;
 * ``WriteRecord.running_at_post`` — how many earlier WRITEs still ran when
   one was posted (0 for a Done that waited for every earlier one);
 * ``cancellable = False`` — a running WRITE cannot be cancelled;
   ``release_failures = n`` — the next ``n`` releases fail;
-  :meth:`FakeNixlIO.raise_next` — the next ``state`` or ``release`` raises;
+  :meth:`FakeNixlIO.raise_next` — the next ``state`` or ``release`` call
+  (or the next ``times`` of them) raises;
 * :meth:`FakeNixlIO.deliver` — a notification arrives;
 * :meth:`FakeNixlIO.link` — two fakes act as a pair: a WRITE posted on one
   delivers its notification (if not empty) to the other when the write
@@ -43,7 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvpush.connector.nixl_io import XferState
+from kvpush.connector.nixl_io import WriteRefused, XferState
 from kvpush.connector.side_channel import ConnectionEvent
 from kvpush.transfer.coalesce import Desc, Descs, desc_list
 from kvpush.transfer.layout import KvLayout
@@ -69,6 +75,7 @@ class WriteRecord:
     last: str = ""  # the state last returned
     released: bool = False
     cancelled: bool = False
+    refused: bool = False  # NIXL refused it at post (WriteRefused)
     running_at_post: int = 0  # this agent's WRITEs not yet DONE/ERR when posted
 
     @property
@@ -114,10 +121,11 @@ class FakeNixlIO:
         self.closed = False
         self.cancellable = True  # False: NIXL cannot cancel a WRITE in flight
         self.release_failures = 0  # how many next releases fail (ERR kept)
-        self._raise_on: dict[str, bool] = {}
+        self._raise_on: dict[str, int] = {}  # call -> how many next raise
         self._lock = threading.Lock()
         self._poll_script: tuple[str, ...] = ("DONE",)
         self._write_errors: deque[Exception] = deque()
+        self._refusals: deque[Exception | None] = deque()
         self._notifs: list[bytes] = []
         self._linked: dict[str, FakeNixlIO] = {}
 
@@ -135,6 +143,13 @@ class FakeNixlIO:
         """The next ``write`` raises ``error`` (a RuntimeError by default)."""
         with self._lock:
             self._write_errors.append(error or RuntimeError("fake NIXL refused"))
+
+    def refuse_next_write(self, error: Exception | None = None) -> None:
+        """The next ``write`` gets a handle, then ``transfer`` says ``ERR``
+        (``error`` None) or raises ``error``: ``write`` raises
+        :class:`~kvpush.connector.nixl_io.WriteRefused` with that handle."""
+        with self._lock:
+            self._refusals.append(error)
 
     def deliver(self, payload: bytes) -> None:
         """A notification arrives for this agent (any thread)."""
@@ -176,12 +191,17 @@ class FakeNixlIO:
                 w.last not in ("DONE", "ERR") and not w.released for w in self.writes
             )
             self.writes.append(record)
+            if self._refusals:
+                error = self._refusals.popleft()
+                record.refused, record.last = True, "ERR"
+                why = "transfer said ERR" if error is None else f"{error}"
+                raise WriteRefused(record, f"fake NIXL refused the WRITE: {why}")
             return record
 
     def state(self, handle: Any) -> XferState:
         with self._lock:
             self._check_open("state")
-            if self._raise_on.pop("state", None) is not None:
+            if self._raises("state"):
                 raise RuntimeError("fake NIXL: check_xfer_state raised")
             record: WriteRecord = handle
             if record.released:
@@ -202,7 +222,7 @@ class FakeNixlIO:
         """Release (or, for a running WRITE, cancel): False when a release
         failure is scripted, or the WRITE runs and ``cancellable`` is off."""
         with self._lock:
-            if self._raise_on.pop("release", None) is not None:
+            if self._raises("release"):
                 raise RuntimeError("fake NIXL: release_xfer_handle raised")
             record: WriteRecord = handle
             if record.released:
@@ -218,10 +238,19 @@ class FakeNixlIO:
             record.cancelled = running
             return True
 
-    def raise_next(self, call: str) -> None:
-        """The next ``state`` or ``release`` call raises (as NIXL can)."""
+    def raise_next(self, call: str, times: int = 1) -> None:
+        """The next ``times`` ``state`` or ``release`` calls raise (as NIXL can)."""
         with self._lock:
-            self._raise_on[call] = True
+            self._raise_on[call] = times
+
+    def _raises(self, call: str) -> bool:
+        """Whether this ``call`` raises (under the lock)."""
+        left = self._raise_on.get(call, 0)
+        if left <= 1:
+            self._raise_on.pop(call, None)
+        else:
+            self._raise_on[call] = left - 1
+        return left > 0
 
     def notifications(self) -> list[bytes]:
         with self._lock:

@@ -20,6 +20,19 @@ from tests.integration import workload
 
 _port_blocks = itertools.count()
 
+# The fast tier's real-cluster checks (``make test``): kvpush as users get
+# it (default granularity, chunked prefill) against colocated, every API
+# shape, concurrency, shared prefixes, nothing held, ``down``. Everything
+# else is ``make test-full``. Named by class, not inherited by subclasses.
+SMOKE_CLASSES = frozenset({"test_pd_matches_colocated.py::TestKvPush"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        cls = getattr(item, "cls", None)
+        if cls is not None and f"{item.path.name}::{cls.__name__}" in SMOKE_CLASSES:
+            item.add_marker(pytest.mark.smoke)
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:

@@ -83,16 +83,20 @@ CONCURRENT: dict[str, tuple[str, dict[str, Any]]] = {
     for i in range(32)
 }
 
-# Eight requests sharing a ~700-word (several-block) prefix, with suffixes
-# from 3 to ~400 words (the long ones are chunked at 256 tokens): sent all
-# at once, a request admitted in the step that computes another's prefix
-# blocks hits blocks that step's forward is still filling.
-_SHARED = text_of(700, seed=7)
+# Requests sharing a prefix, sent all at once. With 256-token chunks, a
+# short request (its ~1-block prefix and a few words) leaves budget in its
+# step for a long one, admitted after it in the same step, whose prefix hit
+# is the block that step's forward is still filling; the long one is then
+# chunked. Four more share a ~700-word (7-block) prefix, short and long.
+_ONE_BLOCK, _SEVEN_BLOCKS = text_of(100, seed=6), text_of(700, seed=7)
 SHARED_PREFIX: dict[str, tuple[str, dict[str, Any]]] = {
     f"shared-prefix-{i}": _completion(
-        f"{_SHARED} {text_of(3 + 130 * (i % 4), seed=300 + i)}", stream=i % 3 == 0
+        f"{prefix} {text_of(words, seed=300 + i)}", stream=i % 3 == 0
     )
-    for i in range(8)
+    for i, (prefix, words) in enumerate(
+        [(_ONE_BLOCK, n) for n in (5, 300, 4, 250)]
+        + [(_SEVEN_BLOCKS, n) for n in (3, 400, 130, 260)]
+    )
 }
 
 

@@ -139,6 +139,49 @@ def test_ready_kv_expires_and_its_blocks_come_back(m: Matcher) -> None:
     assert isinstance(late, Rejected) and late.code == "closed"
 
 
+def test_a_refreshed_ready_kv_lives_ready_ttl_from_its_last_refresh(
+    m: Matcher,
+) -> None:
+    """A streamed prompt's later chunks restart its ready deadline: it waits
+    ``ready_ttl_s`` from the last chunk, not from the first."""
+    m.add_ready(ready(), 0.0)  # due 30
+    assert m.refresh_ready("t1", 20.0) == 50.0
+    assert m.next_deadline() == 50.0
+    assert m.refresh_ready("t1", 45.0) == 75.0  # 45 s after the first chunk
+    assert m.next_deadline() == 75.0
+    assert m.expire(74.9) == [] and m.is_pending("t1")
+    result = m.add_registration(reg(), 74.0)
+    assert isinstance(result, Matched) and result.ready == ready()
+
+
+def test_a_refreshed_ready_kv_expires_ready_ttl_after_its_last_refresh(
+    m: Matcher,
+) -> None:
+    m.add_ready(ready(src=(4, 5, 6)), 0.0)
+    m.refresh_ready("t1", 25.0)
+    assert m.expire(54.9) == []
+    (dropped,) = m.expire(55.0)
+    assert dropped.side == "ready" and dropped.ready == ready(src=(4, 5, 6))
+    assert m.next_deadline() is None and len(m) == 0
+
+
+def test_refresh_changes_nothing_but_a_pending_ready_kv(m: Matcher) -> None:
+    m.add_registration(reg("waiting", ttl_s=10.0), 0.0)  # due 9
+    m.add_ready(ready("matched"), 0.0)
+    m.add_registration(reg("matched"), 1.0)
+    m.add_ready(ready("closed"), 0.0)
+    m.cancel("closed", "gone", 1.0)
+    m.add_ready(ready("overdue"), 0.0)  # due 30
+    for tid in ("never-seen", "waiting", "matched", "closed"):
+        assert m.refresh_ready(tid, 2.0) is None
+    assert m.refresh_ready("overdue", 30.0) is None, "due: not revived"
+    assert m.next_deadline() == 9.0
+    assert [d.transfer_id for d in m.expire(30.0)] == ["waiting", "overdue"]
+    assert m.was_matched("matched") and len(m) == 0
+    late = m.add_registration(reg("closed"), 31.0)
+    assert isinstance(late, Rejected) and late.code == "closed"
+
+
 def test_an_overdue_entry_never_matches_even_before_expire(m: Matcher) -> None:
     m.add_registration(reg(ttl_s=10.0), 0.0)
     result = m.add_ready(ready(), 9.5)  # past 0 + 10 - margin 1
@@ -263,7 +306,7 @@ def test_config_is_validated(kwargs: dict[str, float]) -> None:
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["reg", "ready", "cancel", "expire", "bad_reg"]),
+        st.sampled_from(["reg", "ready", "cancel", "expire", "bad_reg", "refresh"]),
         st.sampled_from(["a", "b", "c"]),
         st.floats(0, 5),
     ),
@@ -283,6 +326,8 @@ def test_every_entry_comes_back_exactly_once(ops: list[tuple[str, str, float]]) 
             returned += _halves(m.cancel(tid, "test", now))
         elif op == "expire":
             returned += _halves(m.expire(now))
+        elif op == "refresh":
+            m.refresh_ready(tid, now)
         else:
             item = {
                 "reg": reg(tid),
@@ -384,6 +429,14 @@ def test_next_deadline_and_engines_match_a_full_scan(
             gone = m.cancel(tid, "test", now)
         elif op == "expire":
             gone = tuple(m.expire(now))
+        elif op == "refresh":
+            gone, was = (), pending.get(("ready", tid))
+            deadline = m.refresh_ready(tid, now)
+            if was is None or was <= now:
+                assert deadline is None
+            else:
+                assert deadline == now + CONFIG.ready_ttl_s
+                pending[("ready", tid)] = deadline
         else:
             item = {"reg": reg(tid), "bad_reg": reg(tid, dst=(1,)), "ready": ready(tid)}
             half = item[op]

@@ -71,27 +71,27 @@ class Endings:
     ) -> None:
         """A matched transfer will not complete: nothing more of it is
         posted; once no WRITE of it is in flight, free our blocks and tell
-        decode (``cause`` None: nobody is left to tell)."""
+        decode (``cause`` None: nobody is left to tell), on ``route`` too
+        (a Cancel's: each decode rank that cancelled is answered)."""
         self._to_post.pop(tid)
         stream = self._streams.get(tid)
         if stream is None:
             self.release(tid)
             self.word(tid, engine, cause, detail, route)
             return
+        if route is not None:
+            self._tell.asked(tid, route)
         stream.close(cause, detail)
         if stream.in_flight == 0:
-            self.finish(stream, route)
+            self.finish(stream)
 
-    def finish(self, stream: Stream, route: bytes | None = None) -> None:
-        """A closed stream's last WRITE ended (or it had none)."""
+    def finish(self, stream: Stream) -> None:
+        """A closed stream's last WRITE ended (or it had none): its word
+        goes to every route the :class:`Teller` keeps for it."""
         closing, tid = stream.closing, stream.transfer_id
         self.release(tid)
         if closing is not None:
-            routes = [route] if route else stream.answer_routes
-            first = routes[0] if routes else None
-            self.word(tid, stream.engine, closing.cause, closing.why, first)
-            for other in routes[1:]:  # each decode rank that cancelled
-                self._tell.repeat(tid, other)
+            self.word(tid, stream.engine, closing.cause, closing.why, None)
 
     def word(
         self, tid: str, engine: str, cause: Cause | None, why: str, route: bytes | None

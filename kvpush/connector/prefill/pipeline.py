@@ -6,7 +6,8 @@ feeds it events and runs :attr:`Pipeline.steps` on each tick; no locks, no waits
 transfer is in exactly one phase here:
 
 1. *half*: one half waits in the :class:`~kvpush.transfer.matcher.Matcher`
-   (its deadline is the matcher's);
+   (its deadline is the matcher's; a streamed ready half's restarts with
+   each chunk, see :meth:`Pipeline._next_chunk`);
 2. *to post*: matched, waiting until decode's boot said Hello, the KV's
    device fence completed and (fault injection only) a delay passed; all
    within the registration's post deadline, which is checked right before
@@ -234,12 +235,13 @@ class Pipeline:
         soonest = min((d for d in due if d is not None), default=now + IDLE_WAIT_S)
         return min(IDLE_WAIT_S, max(0.0, soonest - now))
 
-    def shutdown(self) -> bool:
-        """Cancel every WRITE in flight; True if NIXL let go of all."""
-        kept = self._writes.release_all()
-        if kept:
-            logger.error("kvpush writer: %d WRITE(s) still held at shutdown", kept)
-        return kept == 0
+    def drain(self, now: float) -> int:
+        """Shutdown, after the writer thread stopped (nothing is posted any
+        more): poll the WRITEs in flight; how many NIXL still holds. A
+        running WRITE is awaited, never cancelled (see
+        :mod:`~kvpush.connector.prefill.writes`)."""
+        self._writes.poll(now)
+        return len(self._writes)
 
     # -- phase 1: halves -------------------------------------------------------
 
@@ -283,9 +285,14 @@ class Pipeline:
             self._matched(result, now)
 
     def _next_chunk(self, stream: Stream, item: Ready, now: float) -> None:
-        """A later chunk of a stream this writer holds."""
+        """A later chunk of a stream this writer holds. While the stream is
+        not matched, every chunk (the final one too) restarts its ready
+        deadline in the matcher: finished KV waits ``ready_ttl_s`` from its
+        last chunk, however long the chunked prefill took."""
         problem = stream.add(item.ready, item.fence)
         if problem is None:
+            if stream.matched is None:
+                self._matcher.refresh_ready(stream.transfer_id, now)
             self._schedule(stream, now)
             return
         tid = stream.transfer_id
@@ -407,17 +414,23 @@ class Pipeline:
         write = stream.next_write() if stream is not None else None
         if stream is None or write is None:
             return
-        num_posted, total = 0, len(m.dst_block_ids)
+        num_posted, total, problem = 0, len(m.dst_block_ids), None
         try:
             for peer, head_slice in peers:
-                self._writes.post(write.items, peer, head_slice, tp.engine, now, total)
-                num_posted += 1
-        except Exception as e:
-            if num_posted:
-                stream.posted(write, num_posted)
-            self._endings.end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, str(e))
+                accepted = self._writes.post(
+                    write.items, peer, head_slice, tp.engine, now, total
+                )
+                num_posted += 1  # refused or not: in flight until released
+                if not accepted:
+                    problem = f"NIXL refused the WRITE to {peer.agent_name}"
+                    break
+        except Exception as e:  # no handle: nothing of this one in flight
+            problem = str(e)
+        if num_posted:
+            stream.posted(write, num_posted)
+        if problem is not None:  # ends once its WRITEs in flight ended
+            self._endings.end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, problem)
             return
-        stream.posted(write, num_posted)
         self._schedule(stream, now)  # the next layers, as they are written
 
     # -- phase 3: in flight ----------------------------------------------------
@@ -562,8 +575,6 @@ class Pipeline:
             return
         stream = self._streams.matched(tid)
         if stream is not None:
-            if route not in stream.answer_routes:
-                stream.answer_routes.append(route)
             self._endings.end(tid, cancel.engine_id, Cause.CANCELLED, why, route)
             return
         self._endings.drop_all(self._matcher.cancel(tid, cancel.reason, now), None)

@@ -10,8 +10,11 @@ waits on from this prefill. For each id, :meth:`Reconciler.answer`:
 
 * prefill still *holds* it (a half waiting in the matcher, or a matched
   stream: an item to post, a chunk still to come, or a WRITE in flight):
-  it carries on, and its final word (the WRITE's Done, or a Failure) will
-  go to the Reconcile's socket;
+  it carries on, and its final word will reach this decode rank: the
+  WRITE's Done as its NIXL notification, a Failure on the Reconcile's
+  socket (and on every other decode rank's that reconciled it: with decode
+  TP larger than prefill's each decode rank this prefill rank writes sends
+  its own Reconcile, :meth:`~kvpush.connector.prefill.tell.Teller.reconciled`);
 * otherwise no WRITE of it is in flight or can be posted: the id is closed
   in the matcher (a Registration that comes later under it is refused, for
   the matcher's tombstone time), and prefill says its final word again
@@ -69,8 +72,7 @@ class Reconciler:
                 continue
             if self.holds(tid):
                 self._counters.add("reconciled.live")
-                self._tell.registered(tid, route)  # its final word goes here
-                self._streams.reroute(tid, route)
+                self._tell.reconciled(tid, route)  # its Failure goes here too
                 continue
             self._counters.add("reconciled.ended")
             # Not pending, so this only closes the id (drops nothing).

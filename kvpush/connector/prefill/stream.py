@@ -90,7 +90,6 @@ class Stream:
         self.matched: Matched | None = None
         self.in_flight = 0  # WRITEs posted, not ended
         self.closing: Closing | None = None
-        self.answer_routes: list[bytes] = []  # decode ranks' Cancels came there
         self.targets: tuple[HeadSlice, ...] = ()  # what goes to which decode rank
         self.done_ranks: set[int] = set()  # targets whose Done WRITE completed
         self.not_before = 0.0  # fault injection: no WRITE before (from the match)
@@ -321,12 +320,6 @@ class Streams:
     def forget_orphan(self, tid: str) -> None:
         """Its request will send no more chunks (aborted or preempted)."""
         self._orphans.pop(tid, None)
-
-    def reroute(self, tid: str, route: bytes) -> None:
-        """Decode reconnected: a cancelled transfer is answered on ``route``."""
-        stream = self._streams.get(tid)
-        if stream is not None and stream.answer_routes:
-            stream.answer_routes = [route]  # the old socket is gone
 
     def of_engine(self, engine: str, other_than_boot: str | None) -> list[Stream]:
         """Matched streams registered by ``engine`` (and not by that boot)."""

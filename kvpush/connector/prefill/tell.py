@@ -3,12 +3,16 @@
 Owned by the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
 (the writer thread). A :class:`Failure` is prefill's final word on a
 transfer: sent only when no WRITE of it is in flight or can still be posted
-(the pipeline's job). This class decides *where* it goes: on the socket
-given (the one a Cancel or a Reconcile came on), else on the socket the
-transfer's Registration came on (decode's scheduler, which forwards it to
-its worker, so it reaches decode even before any Hello), else to decode's
-worker (its Hello's socket). With none known it is counted and dropped:
-decode's own deadline then asks again.
+(the pipeline's job). This class decides *where* it goes
+(:class:`Routes`): on every socket that asked for it (each Cancel's, and,
+once decode reconnected, each decode rank's Reconcile's: with decode TP
+larger than prefill's, one prefill rank writes several decode ranks, each
+asking on its own socket), else on the socket the transfer's Registration
+came on (decode's scheduler, which forwards it to its workers, so it
+reaches decode even before any Hello), else to decode's worker (its
+Hello's socket). With none known it is counted and dropped: decode's own
+deadline then asks again. A Done needs no route: each decode rank gets its
+own as the NIXL notification of its last WRITE.
 
 It also remembers the last :data:`MAX_WORDS` final words (:class:`FinalWords`:
 each Failure, and the Done of each WRITE that completed), to say them again
@@ -21,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpush.connector.counters import Counters
 from kvpush.transfer.messages import Cause, Done, Failure, Message
@@ -60,6 +64,34 @@ class FinalWords:
         return len(self._words)
 
 
+@dataclass
+class Routes:
+    """Where one transfer's final word goes: every socket that asked for
+    it, else its Registration's."""
+
+    registration: bytes | None = None  # where its Registration came from
+    asked: list[bytes] = field(default_factory=list)  # Cancels', Reconciles'
+    reconciled: bool = False  # a Reconcile named it: older sockets are gone
+
+    def ask(self, route: bytes) -> None:
+        """A decode socket asked for the word (said once per socket)."""
+        if route not in self.asked:
+            self.asked.append(route)
+
+    def reconcile(self, route: bytes) -> None:
+        """A decode rank reconnected and asked on ``route``: the sockets
+        known from before the first Reconcile died with the connection;
+        every Reconcile's (one per decode rank) is kept."""
+        if not self.reconciled:
+            self.registration, self.asked, self.reconciled = None, [], True
+        self.ask(route)
+
+    def targets(self) -> list[bytes]:
+        if self.asked:
+            return list(self.asked)
+        return [self.registration] if self.registration is not None else []
+
+
 class Teller:
     """The reply routes of open transfers, and the final words sent on them."""
 
@@ -72,22 +104,32 @@ class Teller:
     ) -> None:
         self._engine_id, self._reply, self._counters = engine_id, reply, counters
         self._rank = rank  # this prefill worker's TP rank, named in every word
-        self._reg_route: dict[str, bytes] = {}  # where its Registration came from
+        self._routes: dict[str, Routes] = {}  # of the transfers not ended
         self.words = FinalWords()
 
     def registered(self, tid: str, route: bytes) -> None:
-        """``tid``'s final word goes to ``route`` (its Registration came
-        there, or decode reconciled from there)."""
-        self._reg_route[tid] = route
+        """``tid``'s Registration came on ``route``."""
+        self._routes.setdefault(tid, Routes()).registration = route
+
+    def asked(self, tid: str, route: bytes) -> None:
+        """A Cancel of ``tid`` came on ``route``: its final word goes there
+        (and to every other socket that asked), not to the Registration's."""
+        self._routes.setdefault(tid, Routes()).ask(route)
+
+    def reconciled(self, tid: str, route: bytes) -> None:
+        """A decode rank that reconnected named ``tid``, still held, in a
+        Reconcile from ``route``: its final word goes there, and to each
+        other decode rank's Reconcile socket (:meth:`Routes.reconcile`)."""
+        self._routes.setdefault(tid, Routes()).reconcile(route)
 
     def closed(self, tid: str) -> None:
         """``tid`` ended without a word (nobody is left to tell, or the
         caller answers itself)."""
-        self._reg_route.pop(tid, None)
+        self._routes.pop(tid, None)
 
     def done(self, tid: str, decode_engine_id: str, num_blocks: int) -> None:
         """``tid``'s WRITE completed: its Done told decode (remembered)."""
-        self._reg_route.pop(tid, None)
+        self._routes.pop(tid, None)
         done = Done(tid, self._engine_id, num_blocks, rank=self._rank)
         self.words.put(tid, Word(decode_engine_id, done))
 
@@ -99,25 +141,22 @@ class Teller:
         route: bytes | None = None,
         worker_route: bytes | None = None,
     ) -> None:
-        """Prefill will not write ``tid``: say so, on the first route known
-        of ``route``, the Registration's, ``worker_route`` (remembered)."""
+        """Prefill will not write ``tid``: say so (remembered), once on each
+        socket that asked for it (``route`` too: a Cancel's or Reconcile's
+        being answered now), else on the Registration's, else on
+        ``worker_route``."""
         logger.warning("kvpush: transfer %s failed (%s): %s", tid, cause.value, detail)
         self._counters.add(f"failed.{cause.value}")
-        route = route or self._reg_route.pop(tid, None) or worker_route
-        self._reg_route.pop(tid, None)
+        routes = self._routes.pop(tid, None) or Routes()
+        if route is not None:
+            routes.ask(route)
+        targets = routes.targets() or ([worker_route] if worker_route else [])
         failure = self._failure(tid, cause, detail)
         self.words.put(tid, Word(None, failure))
-        if route is None:
+        if not targets:
             self._counters.add("failed.unroutable")
-            return
-        self._reply(route, failure)
-
-    def repeat(self, tid: str, route: bytes) -> None:
-        """Say the final word just said on ``tid`` on ``route`` too (another
-        decode rank asked for it)."""
-        word = self.words.get(tid)
-        if word is not None:
-            self._reply(route, word.message)
+        for target in targets:
+            self._reply(target, failure)
 
     def refuse(self, tid: str, cause: Cause, detail: str, route: bytes) -> None:
         """Tell the decode on ``route`` that ``tid`` will never be written
@@ -147,4 +186,4 @@ class Teller:
         )
 
     def __len__(self) -> int:
-        return len(self._reg_route)
+        return len(self._routes)

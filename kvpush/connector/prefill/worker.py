@@ -217,9 +217,12 @@ class PrefillWorker:
         return sending
 
     def close(self) -> None:
+        """The writer first: it stops posting and its WRITEs end. Only then
+        the side channel, whose closing a loopback decode takes as proof
+        that nothing more of this prefill lands in its blocks."""
+        writer_done = self._writer.close() if self._writer is not None else True
         if self._listener is not None:
             self._listener.close()
-        writer_done = self._writer.close() if self._writer is not None else True
         if self._io is not None:
             if writer_done:
                 self._io.close()

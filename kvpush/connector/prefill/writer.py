@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 STALL_S = 2.0  # a loop gap this long means this process was stopped
 JOIN_S = 5.0  # close(): how long to wait for the thread (it wakes every 0.1 s)
+DRAIN_S = 10.0  # close(): how long to wait for the WRITEs in flight to end
+DRAIN_POLL_S = 0.001
 
 
 class Kind(enum.Enum):
@@ -152,16 +154,25 @@ class Writer:
             except queue.Empty:
                 return out
 
-    def close(self, timeout_s: float = JOIN_S) -> bool:
-        """Stop the thread, cancelling WRITEs in flight. True when it ended
-        and NIXL let go of every WRITE: only then may memory be deregistered."""
+    def close(self, timeout_s: float = JOIN_S, drain_s: float = DRAIN_S) -> bool:
+        """Stop the thread (nothing more is posted), then wait up to
+        ``drain_s`` for the WRITEs in flight to end; none is cancelled.
+        True when the thread ended and NIXL let go of every WRITE: only
+        then may the side channel close (a loopback decode takes that as
+        proof that nothing more will land) and memory be deregistered."""
         self._stop.set()
         self._inbox.put((Kind.STOP, None))
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.error("kvpush writer: did not stop within %.0f s", timeout_s)
             return False
-        return self._pipeline.shutdown()
+        deadline = time.monotonic() + drain_s
+        while (left := self._pipeline.drain(time.monotonic())) > 0:
+            if time.monotonic() >= deadline:
+                logger.error("kvpush writer: %d WRITE(s) still run at shutdown", left)
+                return False
+            time.sleep(DRAIN_POLL_S)
+        return True
 
     # -- writer thread -------------------------------------------------------
 

@@ -7,6 +7,12 @@ only once NIXL has released its handle:
 * ``DONE``: it completed; its Done notification reached decode with it;
 * ``FAILED``: NIXL said ``ERR`` (or raised), and the handle was released.
 
+A WRITE is in flight from the moment NIXL gave it a handle: one NIXL
+refused at post time (:class:`~kvpush.connector.nixl_io.WriteRefused`:
+``transfer`` said ``ERR`` or raised) may have been partly posted, so it is
+tracked here like any other, failed from the start (:meth:`Writes.post`
+returns False); only a post that got no handle fails with nothing held.
+
 A running WRITE is never cancelled, neither when decode gives it up, nor
 when prefill's request is aborted or preempted, nor past its deadline:
 over TCP, releasing a running handle stops only what UCX has not yet sent,
@@ -15,9 +21,9 @@ the rehearsal hosts: a WRITE cancelled at decode's deadline on a 10 Mbit/s
 link corrupted the output of the request that reused its blocks). So a
 WRITE past its deadline is only counted (``expired.write``) and logged;
 decode keeps its blocks quarantined until this WRITE's own end answers it.
-A handle NIXL will not release after ``ERR`` stays here, and so do its
-blocks: its release is tried again every :data:`RETRY_S`. Nothing here
-raises out of a poll or a release.
+After ``ERR`` the release is tried at once (at the next poll) and, while
+NIXL refuses, again every :data:`RETRY_S`; the handle stays here until
+then, and so do its blocks. Nothing here raises out of a poll or a release.
 
 Every WRITE in flight is polled on every writer tick, every
 :data:`POLL_S` while any is in flight: NIXL's progress thread is off, so
@@ -39,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.connector.counters import Counters
-from kvpush.connector.nixl_io import NixlIO, XferState
+from kvpush.connector.nixl_io import NixlIO, WriteRefused, XferState
 from kvpush.connector.prefill.decode_peers import DecodePeer
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.coalesce import Descs, runs
@@ -71,7 +77,7 @@ class InFlight:
     notify: bool = True  # it carries the transfer's Done (its last item)
     dst_rank: int = 0  # the decode worker rank it writes to
     late: bool = False  # past its deadline, counted
-    failed: bool = False  # NIXL said ERR; waiting for the release
+    failed: bool = False  # NIXL said ERR (or refused the post); to release
     next_try: float = 0.0
 
 
@@ -107,7 +113,7 @@ class Writes:
         engine: str,
         now: float,
         total: int,
-    ) -> None:
+    ) -> bool:
         """One WRITE of one transfer's ``items`` (block range x layer range
         pieces, each coalesced into runs; one piece on the whole or chunk
         path, one per group of layers when pushed per layer); if the last
@@ -117,8 +123,11 @@ class Writes:
         ``head_slice`` goes to: its heads of each block
         (:func:`~kvpush.transfer.heads.slice_descriptors`: whole blocks
         coalesce into runs, a part of a block is one descriptor per block
-        per region). Raises when it cannot be posted (a block outside either
-        cache, layouts whose heads differ, NIXL refusing)."""
+        per region). True once posted; False when NIXL refused it after
+        giving it a handle: it is in flight all the same, already failed,
+        and ends at a later :meth:`poll` once NIXL released the handle.
+        Raises when no handle exists (a block outside either cache, layouts
+        whose heads differ, NIXL refusing the descriptors)."""
         tid = items[-1].transfer_id
         notify = items[-1].notify
         done = Done(tid, self._engine_id, total, rank=self._rank)
@@ -132,14 +141,21 @@ class Writes:
             num_runs += len(block_runs)
             num_bytes += item.num_blocks * len(item.layers)
         src, dst = (srcs[0], dsts[0]) if len(items) == 1 else _joined(srcs, dsts)
-        handle = self._io.write(
-            src, dst, peer.agent_name, encode(done) if notify else b""
-        )
+        notif = encode(done) if notify else b""
+        refused: WriteRefused | None = None
+        try:
+            handle = self._io.write(src, dst, peer.agent_name, notif)
+        except WriteRefused as e:  # its handle is held: in flight, failed
+            handle, refused = e.handle, e
         deadline = now + self._timeout_s
         rank = head_slice.dst_rank
         flight = InFlight(handle, tid, engine, deadline, total, notify, rank)
         self._inflight[(tid, next(self._seq))] = flight
         self._per_transfer[tid] = self._per_transfer.get(tid, 0) + 1
+        if refused is not None:
+            flight.failed, flight.next_try = True, now
+            logger.warning("kvpush: the WRITE of %s failed at post: %s", tid, refused)
+            return False
         layout = self._io.layout
         self._tracer.mark(
             tid,
@@ -154,6 +170,7 @@ class Writes:
             * _slice_bytes(layout.block_bytes, head_slice)
             * layout.regions_per_layer,
         )
+        return True
 
     def next_due(self, now: float) -> float | None:
         """When the writer must tick again for these WRITEs (None: none)."""
@@ -218,18 +235,6 @@ class Writes:
 
     def __len__(self) -> int:
         return len(self._inflight)
-
-    def release_all(self) -> int:
-        """Shutdown (the process is going: nothing of it will be reused):
-        release every WRITE, running or not; how many NIXL would not let
-        go (their memory must stay registered)."""
-        kept = 0
-        for key, flight in list(self._inflight.items()):
-            if self._io.release(flight.handle):
-                self._drop(key)
-            else:
-                kept += 1
-        return kept
 
 
 def _slice_bytes(block_bytes: int, head_slice: HeadSlice) -> int:
