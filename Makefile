@@ -25,9 +25,9 @@ soak: $(VENV)
 	$(PY) -m kvpush soak --duration-s 600 --publish
 
 lint: $(VENV)
-	.venv/bin/ruff check kvpush tests
-	.venv/bin/ruff format --check kvpush tests
-	.venv/bin/mypy kvpush
+	.venv/bin/ruff check kvpush kvpush_lab tests
+	.venv/bin/ruff format --check kvpush kvpush_lab tests
+	.venv/bin/mypy kvpush kvpush_lab
 
 unit: $(VENV)
 	$(PY) -m pytest tests/unit -q

@@ -1,86 +1,111 @@
 """The ``kvpush`` command: make-model, up, serve, down, status, router,
-drain, bench, bench-micro, project, soak."""
+drain, and the lab's bench, bench-micro, project, soak (``kvpush[bench]``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from kvpush import env
-from kvpush.bench.cli import add_parser as add_bench_parser
-from kvpush.bench.micro.cli import add_parser as add_bench_micro_parser
-from kvpush.launcher.cli import INSTANCE_KEYS, add_instance_options, add_serve_parser
-from kvpush.launcher.config import HOSTS, TP_KEYS
-from kvpush.model.presets import PRESETS
-from kvpush.project.cli import add_parser as add_project_parser
-from kvpush.topology import MODES
+from kvpush.commands import (
+    LAB_COMMANDS,
+    optional_commands,
+    run_optional,
+    run_parsed,
+)
+
+RUN_DIR_HELP = (
+    "run directory of the cluster (default: $KVPUSH_RUN_DIR or $KVPUSH_HOME/run)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["soak"]:  # the soak parses its own options
-        from kvpush.soak.cli import main as soak_main
+    command = argv[0] if argv else ""
+    if _is_optional(command):  # the lab's (an entry point): it parses its options
+        return run_optional(command, argv[1:])
+    return run_parsed(_parser(argv[:1]).parse_args(argv))
 
-        return soak_main(argv[1:])
-    parser = _parser()
-    args = parser.parse_args(argv)
+
+def _is_optional(command: str) -> bool:
+    """Whether ``command`` is one of the ``kvpush.commands`` entry points,
+    installed or not (the lab's), rather than the product's own."""
+    if command in _COMMANDS or not command or command.startswith("-"):
+        return False
+    return command in LAB_COMMANDS or command in optional_commands()
+
+
+def _installed_version() -> str:
+    """The installed distribution's version (the source tree's when run
+    from a checkout that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"kvpush {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # LaunchError and failed stops
-        print(f"kvpush {args.command}: failed: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        return version("kvpush")
+    except PackageNotFoundError:
+        from kvpush import __version__
+
+        return __version__
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """Every subcommand is listed; only those in ``commands`` (all when None)
+    get their options, whose modules are imported to add them: so
+    ``kvpush --help`` imports none of them (nor torch)."""
+    chosen = set(_COMMANDS if commands is None else commands)
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"kvpush {_installed_version()}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_make_model(sub)
-    _add_up(sub)
-    add_serve_parser(sub)
-    run_dir_help = (
-        "run directory of the cluster (default: $KVPUSH_RUN_DIR or $KVPUSH_HOME/run)"
-    )
-    down = sub.add_parser("down", help="stop the cluster that 'up' started")
-    down.add_argument("--run-dir", type=Path, help=run_dir_help)
-    down.set_defaults(func=_cmd_down)
-    st = sub.add_parser("status", help="list the running cluster's processes")
-    st.add_argument("--run-dir", type=Path, help=run_dir_help)
-    st.add_argument("--json", action="store_true", help="print JSON")
-    st.set_defaults(func=_cmd_status)
-    router = sub.add_parser(
-        "router", help="run the OpenAI-compatible router in the foreground"
-    )
-    router.add_argument(
+    for name, (help_text, add_options) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name in chosen:
+            add_options(p)
+    for name, help_text in LAB_COMMANDS.items():
+        lab = sub.add_parser(
+            name,
+            help=help_text,
+            add_help=False,  # its own parser (the entry point's) answers --help
+        )
+        lab.set_defaults(func=None)  # handed over whole in main()
+    return parser
+
+
+def _add_down(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", type=Path, help=RUN_DIR_HELP)
+    p.set_defaults(func=_cmd_down)
+
+
+def _add_status(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", type=Path, help=RUN_DIR_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_status)
+
+
+def _add_router(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
         "--topology",
         type=Path,
         required=True,
         help="topology JSON: written by 'up', or by hand for remote instances "
         "(format: kvpush/topology.py)",
     )
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
-    _add_router_health_options(router)
-    _add_router_routing_options(router)
-    router.set_defaults(func=_cmd_router)
-    _add_drain(sub)
-    add_bench_parser(sub)
-    add_bench_micro_parser(sub)
-    add_project_parser(sub)
-    soak = sub.add_parser(
-        "soak",
-        help="sustained load with client aborts: nothing lost, nothing leaked",
-        add_help=False,  # its own parser (kvpush.soak) answers --help
-    )
-    soak.set_defaults(func=None)  # handed over whole in main()
-    return parser
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    _add_router_health_options(p)
+    _add_router_routing_options(p)
+    p.set_defaults(func=_cmd_router)
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    from kvpush.launcher.cli import add_serve_options
+
+    add_serve_options(p)
 
 
 def _add_router_health_options(p: argparse.ArgumentParser) -> None:
@@ -168,11 +193,7 @@ def _add_router_routing_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_drain(sub: Any) -> None:
-    p = sub.add_parser(
-        "drain",
-        help="stop routing new requests to an instance (rolling restarts)",
-    )
+def _add_drain(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="the instance's engine id (kvpush status)")
     p.add_argument(
         "--router",
@@ -201,8 +222,9 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_make_model(sub: Any) -> None:
-    p = sub.add_parser("make-model", help="build the tiny local Qwen3 model")
+def _add_make_model(p: argparse.ArgumentParser) -> None:
+    from kvpush.model.presets import PRESETS
+
     p.add_argument("dir", type=Path, help="output directory")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
@@ -220,8 +242,12 @@ def _add_make_model(sub: Any) -> None:
     p.set_defaults(func=_cmd_make_model)
 
 
-def _add_up(sub: Any) -> None:
-    p = sub.add_parser("up", help="start a local cluster in the background")
+def _add_up(p: argparse.ArgumentParser) -> None:
+    from kvpush.launcher.cli import add_instance_options
+    from kvpush.launcher.config import HOSTS
+    from kvpush.model.presets import PRESETS
+    from kvpush.topology import MODES
+
     p.add_argument("--mode", choices=MODES, help="cluster mode (default vllm-pull)")
     p.add_argument(
         "--prefill", dest="num_prefill", type=int, help="prefill instances (default 1)"
@@ -295,21 +321,22 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# up's own options; up_config adds the TP ranks' and every instance's.
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
     "base_side_channel_port", "startup_timeout_s", "hosts", "link_gbit",
-    "binding", *TP_KEYS, *INSTANCE_KEYS,
+    "binding",
 )  # fmt: skip
 
 
 def up_config(args: argparse.Namespace) -> Any:
     """The ClusterConfig from an optional file overlaid with given flags."""
-    from kvpush.launcher.config import load_config_file, make_config
+    from kvpush.launcher.cli import INSTANCE_KEYS
+    from kvpush.launcher.config import TP_KEYS, load_config_file, make_config
 
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
-    values.update(
-        {k: getattr(args, k) for k in _UP_KEYS if getattr(args, k) is not None}
-    )
+    keys = (*_UP_KEYS, *TP_KEYS, *INSTANCE_KEYS)
+    values.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     if getattr(args, "model_preset", None) is not None:
         _apply_model_preset(values, args.model_preset)
     if values.get("mode") == "colocated":
@@ -401,3 +428,22 @@ def _cmd_router(args: argparse.Namespace) -> int:
     )
     run_router(config)
     return 0
+
+
+# The product's subcommands, in ``kvpush --help``'s order: name -> (help line,
+# what adds its options; modules it needs are imported there, when chosen).
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "make-model": ("build the tiny local Qwen3 model", _add_make_model),
+    "up": ("start a local cluster in the background", _add_up),
+    "serve": (
+        "run one vLLM instance in the foreground (systemd, Kubernetes)",
+        _add_serve,
+    ),
+    "down": ("stop the cluster that 'up' started", _add_down),
+    "status": ("list the running cluster's processes", _add_status),
+    "router": ("run the OpenAI-compatible router in the foreground", _add_router),
+    "drain": (
+        "stop routing new requests to an instance (rolling restarts)",
+        _add_drain,
+    ),
+}

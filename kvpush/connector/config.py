@@ -7,7 +7,8 @@ The launcher sets these through ``kv_connector_extra_config``::
      # optional, defaults below:
      "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
      "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false,
-     "push_granularity": "auto", "layer_push_min_bytes": 2097152}
+     "push_granularity": "auto", "layer_push_min_bytes": 2097152,
+     "verify_kv": "off", "verify_kv_sample": 0.01}
 
 ``push_granularity`` (prefill): ``request`` pushes a prompt's KV once its
 last chunk is computed; ``chunk`` streams it, each prefill chunk's
@@ -35,6 +36,18 @@ Per layer, vLLM must call ``save_kv_layer`` outside any captured CUDA
 graph: :meth:`KvPushConnector.requires_piecewise_for_cudagraph` says so
 for ``layer`` and ``auto`` (vLLM then runs FULL CUDA graphs as PIECEWISE).
 
+``verify_kv`` (both roles, the same on both: the launcher passes one
+value to every instance): KV digests (:mod:`kvpush.transfer.digest`).
+``off`` (the default), ``sample`` (the fraction ``verify_kv_sample`` of
+transfers, chosen from the transfer id, so both sides choose alike) or
+``all``. Prefill sends, with each selected transfer's Done, the digest of
+what it wrote; decode checks it against its memory before the receive
+counts as done, and fails the receive on a mismatch (vLLM recomputes, or
+errors, by ``kv_load_failure_policy``). Cost: both sides hash every byte
+of a selected transfer (SHA-256, about 1.5 s of CPU per GiB on the dev
+machine; decode on a thread of its own, prefill on its writer thread),
+which is why the default is off.
+
 The shared secret that authenticates side-channel messages comes from the
 environment (``KVPUSH_SIDE_CHANNEL_SECRET``), never from the command line,
 where other users of the machine could read it. A prefill whose side channel
@@ -51,6 +64,12 @@ from typing import Any, Literal
 
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth
 from kvpush.transfer import ranks
+from kvpush.transfer.digest import (
+    DEFAULT_VERIFY_KV,
+    DEFAULT_VERIFY_SAMPLE,
+    VerifyPolicy,
+    check_verify_kv,
+)
 
 ConnectorRole = Literal["prefill", "decode"]
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -97,12 +116,19 @@ class ConnectorConfig:
     # and whether its cache is MLA's latent one (replicated on every rank)
     total_kv_heads: int = 0
     use_mla: bool = False
+    # KV digests: off | sample | all, and the fraction sample verifies
+    verify_kv: str = DEFAULT_VERIFY_KV
+    verify_kv_sample: float = DEFAULT_VERIFY_SAMPLE
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             raise ValueError("kv-transfer-config needs a non-empty engine_id")
         check_nixl_backend(self.nixl_backend)
         check_push_granularity(self.push_granularity)
+        try:
+            check_verify_kv(self.verify_kv, self.verify_kv_sample)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config.{e}") from None
         if self.role == "prefill":  # its worker binds the listener here
             check_side_channel_auth(
                 self.side_channel_host, bool(self.secret), self.insecure_side_channel
@@ -141,6 +167,11 @@ class ConnectorConfig:
                 "kv_connector_extra_config.registration_ttl_s must exceed 1 s "
                 "(prefill keeps a 1 s margin for the WRITE itself)"
             )
+
+    @property
+    def verify(self) -> VerifyPolicy:
+        """Which transfers carry and check KV digests."""
+        return VerifyPolicy(self.verify_kv, self.verify_kv_sample)
 
     @property
     def streams(self) -> bool:
@@ -214,10 +245,23 @@ class ConnectorConfig:
                 tp_rank=tp_rank,
                 total_kv_heads=_total_kv_heads(vllm_config),
                 use_mla=_uses_mla(vllm_config),
+                verify_kv=str(extra.get("verify_kv", DEFAULT_VERIFY_KV)),
+                verify_kv_sample=_fraction(extra),
                 **durations,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad KvPushConnector config: {e}") from e
+
+
+def _fraction(extra: dict[str, Any]) -> float:
+    """``verify_kv_sample`` of the extra config, as a number."""
+    value = extra.get("verify_kv_sample", DEFAULT_VERIFY_SAMPLE)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(
+            "kv_connector_extra_config.verify_kv_sample must be a number in "
+            f"(0, 1], not {value!r}"
+        )
+    return float(value)
 
 
 def _total_kv_heads(vllm_config: Any) -> int:

@@ -43,7 +43,7 @@ from kvpush.connector.config import (
 )
 from kvpush.connector.decode.scheduler import DecodeScheduler
 from kvpush.connector.decode.worker import DecodeWorker
-from kvpush.connector.metadata import DecodeMetadata, PrefillMetadata
+from kvpush.connector.metadata import DecodeMetadata, PrefillMetadata, PushesOver
 from kvpush.connector.prefill.scheduler import PrefillScheduler
 from kvpush.connector.prefill.worker import PrefillWorker
 from kvpush.connector.stats import KvPushPromMetrics, KvPushStats, take_stats
@@ -114,9 +114,14 @@ class KvPushConnector(KVConnectorBase_V1):
         return self._s.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._s.update_connector_output(
-            connector_output.finished_sending, connector_output.finished_recving
-        )
+        sched = self._s
+        sending = connector_output.finished_sending
+        recving = connector_output.finished_recving
+        if isinstance(sched, PrefillScheduler):
+            meta = connector_output.kv_connector_worker_meta
+            sched.update_connector_output(sending, recving, meta)
+        else:
+            sched.update_connector_output(sending, recving)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -125,6 +130,20 @@ class KvPushConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool: prefill pins the blocks a push may read there
+        (see :mod:`kvpush.connector.prefill.scheduler`)."""
+        if isinstance(self._sched, PrefillScheduler):
+            self._sched.bind_block_pool(gpu_block_pool)
+
+    def has_pending_block_frees(self) -> bool:
+        """Asked by vLLM before it preempts: prefill's pins that will come
+        back soon (:meth:`PrefillScheduler.has_pending_block_frees`)."""
+        return (
+            isinstance(self._sched, PrefillScheduler)
+            and self._sched.has_pending_block_frees()
+        )
 
     @property
     def _s(self) -> Scheduler:
@@ -147,7 +166,8 @@ class KvPushConnector(KVConnectorBase_V1):
             worker.bind(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before the forward that may reuse preempted requests' blocks."""
+        """Before the forward: close the pushes of preempted requests (it
+        does not wait: their blocks a WRITE may read stay pinned)."""
         worker = self._w
         if isinstance(worker, PrefillWorker) and isinstance(
             kv_connector_metadata, PrefillMetadata
@@ -182,6 +202,14 @@ class KvPushConnector(KVConnectorBase_V1):
         if isinstance(worker, PrefillWorker):
             return worker.get_finished(finished_req_ids) or None, None
         return None, worker.get_finished() or None
+
+    def build_connector_worker_meta(self) -> PushesOver | None:
+        """After ``get_finished``: prefill's pushes over on this rank, for
+        the scheduler's pins."""
+        worker = self._w
+        if isinstance(worker, PrefillWorker):
+            return worker.build_worker_meta()
+        return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._w

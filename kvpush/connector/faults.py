@@ -7,18 +7,25 @@ answers "no faults". The file holds one object, every key optional::
 
     {"drop_registrations": true,   # decode's scheduler sends no Registration
      "delay_ready_s": 2.0,         # prefill's writer holds finished KV this long
-     "delay_post_s": 2.0}          # ...and a matched transfer before its WRITE
+     "delay_post_s": 2.0,          # ...and a matched transfer before its WRITE
+     "corrupt_received": true}     # decode inverts one received byte
 
 so a test can hold a transfer in one phase (before the match, or matched but
 not yet written) or make a deadline pass, on a running cluster, without a
-restart. A missing or unreadable file means no faults.
+restart. ``corrupt_received`` is the KV digests' self-test: decode inverts
+the first byte of the first block it received for a transfer, in its KV
+memory, right before it checks that transfer's digest (only transfers
+``verify_kv`` selects are checked, so only those are corrupted); the
+mismatch must be caught and the request recomputed (or failed, by
+``kv_load_failure_policy``). A missing or unreadable file means no faults.
 
 The one seam: production code never branches on faults. The writer asks
 :meth:`FaultSource.ready_delay_s` and :meth:`FaultSource.post_delay_s` for
 the time a finished KV waits before the matcher sees it and a matched
 transfer waits before its WRITE (always 0 without a fault file), and
 decode's scheduler sends through :func:`outbound`, which is the side
-channel itself unless a fault file was given.
+channel itself unless a fault file was given; decode's digest checker asks
+:meth:`FaultSource.corrupts_received` (always False without a fault file).
 """
 
 from __future__ import annotations
@@ -42,18 +49,25 @@ class Faults:
     drop_registrations: bool = False
     delay_ready_s: float = 0.0
     delay_post_s: float = 0.0
+    corrupt_received: bool = False
 
     @classmethod
     def from_dict(cls, d: object) -> Faults:
         if not isinstance(d, dict):
             raise ValueError("the fault file must hold a JSON object")
-        unknown = set(d) - {"drop_registrations", "delay_ready_s", "delay_post_s"}
+        unknown = set(d) - {
+            "drop_registrations",
+            "delay_ready_s",
+            "delay_post_s",
+            "corrupt_received",
+        }
         if unknown:
             raise ValueError(f"unknown fault keys {sorted(unknown)}")
         faults = cls(
             drop_registrations=bool(d.get("drop_registrations", False)),
             delay_ready_s=float(d.get("delay_ready_s", 0.0)),
             delay_post_s=float(d.get("delay_post_s", 0.0)),
+            corrupt_received=bool(d.get("corrupt_received", False)),
         )
         if faults.delay_ready_s < 0 or faults.delay_post_s < 0:
             raise ValueError("fault delays must be >= 0")
@@ -87,6 +101,10 @@ class FaultSource:
     def post_delay_s(self) -> float:
         """How long a matched transfer is held before its WRITE."""
         return self.current().delay_post_s
+
+    def corrupts_received(self) -> bool:
+        """Whether decode corrupts received KV before checking its digest."""
+        return self.current().corrupt_received
 
     def current(self) -> Faults:
         if self._path is None:

@@ -91,6 +91,18 @@ def layout_of(
     )
 
 
+def region_views(
+    kv_caches: dict[str, torch.Tensor], block_size: int, num_blocks: int
+) -> list[torch.Tensor]:
+    """Each region of :func:`layout_of`'s map (in ``base_addrs`` order) as
+    its ``num_blocks`` blocks, block index first; views, never copies."""
+    return [
+        region[:num_blocks]
+        for name, tensor in _distinct(kv_caches)
+        for region in _regions(name, tensor, block_size, num_blocks)
+    ]
+
+
 def layer_indices(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
     """Each layer name's layer in :func:`layout_of`'s map (vLLM's order; a
     name that aliases an earlier layer's cache maps to that layer): what

@@ -3,14 +3,18 @@
 Built by the role's scheduler (:mod:`kvpush.connector.prefill.scheduler`,
 :mod:`kvpush.connector.decode.scheduler`; EngineCore process) in
 ``build_connector_meta`` and read by the role's worker (Worker process);
-vLLM carries it between the two processes.
+vLLM carries it between the two processes. One thing goes the other way:
+:class:`PushesOver` (prefill worker to scheduler).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from kvpush.transfer.messages import Failure
 
@@ -40,8 +44,9 @@ class PushTrigger:
 
 @dataclass(frozen=True)
 class PreemptedPush:
-    """Prefill: vLLM preempted ``req_id`` after its push was triggered; its
-    blocks may be reused by this step's forward."""
+    """Prefill: vLLM preempted ``req_id`` after its push was triggered; the
+    writer closes the transfer (a WRITE in flight runs to its end: the
+    scheduler's pins keep its source blocks allocated until then)."""
 
     req_id: str
     transfer_id: str
@@ -71,6 +76,26 @@ class PrefillMetadata(KVConnectorMetadata):
     triggers: list[PushTrigger] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # transfer ids given up
     preempted: list[PreemptedPush] = field(default_factory=list)
+
+
+@dataclass
+class PushesOver(KVConnectorWorkerMetadata):
+    """Prefill, the other way (worker to scheduler, once per step, in
+    ``kv_connector_worker_meta``): the requests whose push is over on these
+    TP ranks: no WRITE of theirs reads their source blocks any more, nor
+    ever will (chunks of an ended transfer that still come are dropped).
+    vLLM merges one step's metas of every rank with :meth:`aggregate`; the
+    scheduler collects the ranks across steps and lets go of a request's
+    pinned blocks once every rank said so."""
+
+    over: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PushesOver:
+        merged = dict(self.over)
+        if isinstance(other, PushesOver):
+            for rid, ranks in other.over.items():
+                merged[rid] = merged.get(rid, frozenset()) | ranks
+        return PushesOver(merged)
 
 
 @dataclass

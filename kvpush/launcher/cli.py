@@ -13,6 +13,7 @@ from kvpush.connector.config import NIXL_BACKENDS, PUSH_GRANULARITIES
 from kvpush.launcher.config import DTYPES, FAILURE_POLICIES
 from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
+from kvpush.transfer.digest import VERIFY_MODES
 
 # Options of add_instance_options, as config fields (ClusterConfig and
 # ServeConfig share them).
@@ -22,7 +23,8 @@ INSTANCE_KEYS = (
     "max_num_batched_tokens", "kv_cache_space_gb", "kv_load_failure_policy",
     "registration_ttl_s", "ready_ttl_s", "peer_timeout_s", "fault_injection",
     "nixl_backend", "ucx_net_devices", "insecure_side_channel",
-    "side_channel_secret_file", "push_granularity",
+    "side_channel_secret_file", "push_granularity", "verify_kv",
+    "verify_kv_sample",
 )  # fmt: skip
 
 
@@ -81,6 +83,19 @@ def add_instance_options(p: argparse.ArgumentParser) -> None:
         "(request), per prefill chunk (chunk) or per chunk and layer (layer)",
     )
     p.add_argument(
+        "--verify-kv",
+        choices=VERIFY_MODES,
+        help="kvpush: KV digests, checked by decode before it uses the KV "
+        "(a mismatch recomputes or errors, by --kv-load-failure-policy): off "
+        "(default), sample (--verify-kv-sample of transfers) or all",
+    )
+    p.add_argument(
+        "--verify-kv-sample",
+        type=float,
+        help="kvpush: the fraction of transfers --verify-kv sample checks "
+        "(default 0.01)",
+    )
+    p.add_argument(
         "--ucx-net-devices",
         help="UCX_NET_DEVICES of the instance: the NIC(s) UCX may use, "
         "e.g. mlx5_0:1 (kvpush and the baselines)",
@@ -107,12 +122,11 @@ def given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
-def add_serve_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="run one vLLM instance in the foreground (systemd, Kubernetes)",
-        description="Run one vLLM instance with its connector configured, "
-        "in the foreground; vLLM options go after '--'.",
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    """``kvpush serve``'s description and options, on its parser."""
+    p.description = (
+        "Run one vLLM instance with its connector configured, "
+        "in the foreground; vLLM options go after '--'."
     )
     p.add_argument("--role", choices=("prefill", "decode", "colocated"), required=True)
     p.add_argument(

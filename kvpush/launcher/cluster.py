@@ -1,8 +1,9 @@
 """``kvpush up``, ``down`` and ``status``: the cluster's whole life.
 
 ``up`` starts every vLLM instance and the router in the background, saves
-what it started in the run directory, and returns once all answer
-``/health``. ``down`` stops exactly what the saved state names.
+what it started in the run directory, and returns once every instance
+answers ``/health`` and the router ``/ready``. ``down`` stops exactly what
+the saved state names.
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def _with(state: RunState, records: list[ProcessRecord]) -> RunState:
 
 
 def _wait_ready(state: RunState, timeout_s: float, console: Console) -> None:
-    """Block until every process answers /health, showing progress; raise
+    """Block until every instance answers /health and the router /ready,
+    showing progress; raise
     LaunchError with the log tail if one dies or the deadline passes."""
     start = time.monotonic()
     pending = {p.name: p for p in state.processes}
@@ -248,7 +250,7 @@ def _wait_ready(state: RunState, timeout_s: float, console: Console) -> None:
             for name, rec in list(pending.items()):
                 if not process.is_alive(rec.pid):
                     raise LaunchError(_failure(rec, "exited during start-up"))
-                if _healthy(rec.url):
+                if _healthy(rec.url, "/ready" if rec.role == "router" else "/health"):
                     del pending[name]
                     console.print(f"  {name} ready at {rec.url} ({elapsed:.0f} s)")
             if not pending:
@@ -270,9 +272,11 @@ def _failure(rec: ProcessRecord, what: str) -> str:
     )
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, path: str) -> bool:
+    """Whether ``url`` answers 200 on ``path`` (an instance's ``/health``,
+    the router's readiness, ``/ready``: it routes every role)."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as resp:
+        with urllib.request.urlopen(f"{url}{path}", timeout=2.0) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False

@@ -22,6 +22,11 @@ from kvpush.router.binding import check_policy
 from kvpush.settings_file import read_settings_file
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
 from kvpush.topology import MODES
+from kvpush.transfer.digest import (
+    DEFAULT_VERIFY_KV,
+    DEFAULT_VERIFY_SAMPLE,
+    check_verify_kv,
+)
 from kvpush.transfer.ranks import MAX_TP_SIZE
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -81,6 +86,10 @@ class ClusterConfig:
     ``push_granularity`` (kvpush mode) is prefill's push unit: ``auto`` (the
     default), ``request``, ``chunk`` or ``layer`` (see
     :mod:`kvpush.connector.config`).
+    ``verify_kv`` (kvpush mode, given to both roles): KV digests, ``off``
+    (default), ``sample`` (the fraction ``verify_kv_sample`` of
+    transfers; None: the connector's 0.01) or ``all`` (see
+    :mod:`kvpush.transfer.digest`).
     ``nixl_backend`` is NIXL's transport (UCX or LIBFABRIC) and
     ``ucx_net_devices`` the NIC(s) UCX may use (``UCX_NET_DEVICES``), both
     for kvpush and the baselines. A kvpush side channel off loopback needs
@@ -126,6 +135,8 @@ class ClusterConfig:
     insecure_side_channel: bool = False
     side_channel_secret_file: Path | None = None
     push_granularity: str = DEFAULT_PUSH_GRANULARITY
+    verify_kv: str = DEFAULT_VERIFY_KV
+    verify_kv_sample: float | None = None
     hosts: str = "local"
     link_gbit: float | None = None
     binding: str | None = None
@@ -313,6 +324,12 @@ class InstanceSettings(Protocol):
     @property
     def push_granularity(self) -> str: ...
 
+    @property
+    def verify_kv(self) -> str: ...
+
+    @property
+    def verify_kv_sample(self) -> float | None: ...
+
 
 def check_instance_settings(s: InstanceSettings) -> None:
     """Raise ValueError, saying what to change, unless ``s`` is valid."""
@@ -346,6 +363,8 @@ def check_instance_settings(s: InstanceSettings) -> None:
     )
     check_nixl_backend(s.nixl_backend)
     check_push_granularity(s.push_granularity)
+    sample = DEFAULT_VERIFY_SAMPLE if s.verify_kv_sample is None else s.verify_kv_sample
+    check_verify_kv(s.verify_kv, sample)
     _require(
         s.ucx_net_devices is None or bool(s.ucx_net_devices.strip()),
         "ucx_net_devices must name devices (e.g. mlx5_0:1 or eth0), or be unset",

@@ -273,6 +273,10 @@ def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any
     extra["push_granularity"] = (
         config.push_granularity if spec.role == "prefill" else "request"
     )
+    if config.verify_kv != "off":  # both roles: both must select alike
+        extra["verify_kv"] = config.verify_kv
+        if config.verify_kv_sample is not None:
+            extra["verify_kv_sample"] = config.verify_kv_sample
     return extra
 
 

@@ -34,6 +34,7 @@ from kvpush.launcher.instances import (
 )
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
+from kvpush.transfer.digest import DEFAULT_VERIFY_KV
 
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -86,6 +87,8 @@ class ServeConfig:
     fault_injection: bool = False
     nixl_backend: str = "UCX"
     push_granularity: str = DEFAULT_PUSH_GRANULARITY
+    verify_kv: str = DEFAULT_VERIFY_KV
+    verify_kv_sample: float | None = None
     ucx_net_devices: str | None = None
     insecure_side_channel: bool = False
     side_channel_secret_file: Path | None = None

@@ -98,6 +98,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     add_admin_routes(app, lambda request: request.app[STATE].health.board)
     return app
@@ -273,18 +274,29 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """200 if every backend's ``/health`` answers 200 in time, else 503; each
-    backend's report also says whether the router routes to it now."""
+    """Liveness: 200 while this process serves, whatever its backends do
+    (an orchestrator's liveness probe must not restart a router that routes
+    around a dead instance). Readiness is ``/ready``."""
+    return web.json_response({"status": "ok", "mode": request.app[STATE].config.mode})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    """Readiness: 200 when every role the mode needs has a backend whose
+    ``/health`` answers 200 in time and that the router routes to, else 503
+    (``degraded`` when some backend is down but every role is served).
+    Each backend's report says whether it answered and is routed now."""
     state = request.app[STATE]
     backends = state.config.topology.backends
     reports = await asyncio.gather(*(_report(state, b) for b in backends))
-    is_healthy = all(r["healthy"] for r in reports)
+    served = {r["role"] for r in reports if r["healthy"] and r["routed"]}
+    is_ready = {b.role for b in backends} <= served
+    is_whole = all(r["healthy"] for r in reports)
     body = {
-        "status": "ok" if is_healthy else "degraded",
+        "status": "ok" if is_whole else "degraded" if is_ready else "unavailable",
         "mode": state.config.mode,
         "backends": reports,
     }
-    return web.json_response(body, status=200 if is_healthy else 503)
+    return web.json_response(body, status=200 if is_ready else 503)
 
 
 async def _report(state: RouterState, backend: Backend) -> dict[str, Any]:

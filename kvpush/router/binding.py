@@ -18,6 +18,12 @@ early when the decode is clearly free (its busy score, see
 late when it is not: the decode is then chosen once the KV is ready, on
 fresher load. Every decision has a reason, counted in
 ``kvpush_router_binding_total{binding,reason}``.
+
+A request that asks for prompt logprobs (``prompt_logprobs``, or ``echo``:
+:attr:`kvpush.router.requests.ParsedRequest.wants_prompt_logprobs`) always
+skips, whatever the policy (reason ``prompt_logprobs``): vLLM computes such
+a prompt in full and loads no KV for it (``skip_reading_prefix_cache``), so
+a prefill leg would only compute and hold KV that decode never takes.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ Reason = Literal[
     "decode_busy",  # more new tokens than the threshold, every decode busy
     "tokens_unknown",  # the prompt could not be counted: bind early
     "no_prefill",  # no usable prefill: decode computes the prompt
+    "prompt_logprobs",  # vLLM loads no KV for it: decode computes the prompt
 ]
 
 
@@ -82,6 +89,7 @@ def decide(
     has_prefill: bool,
     decode_busy: float = 0.0,
     late_min_busy: float = DEFAULT_LATE_MIN_BUSY,
+    prompt_logprobs: bool = False,
 ) -> BindingDecision:
     """The binding of one request on its chosen decode.
 
@@ -89,8 +97,11 @@ def decide(
     ``num_held_tokens`` is what the decode is believed to hold (whole
     blocks of ``block_size``); ``has_prefill`` whether any prefill is usable;
     ``decode_busy`` the chosen decode's busy score (the best decode's, as
-    the decode is chosen by score first).
+    the decode is chosen by score first); ``prompt_logprobs`` whether the
+    request asks for them (then vLLM loads no KV for it: skip).
     """
+    if prompt_logprobs:
+        return BindingDecision("skip", "prompt_logprobs")
     if policy == "early" or policy == "late" or policy == "skip":
         return BindingDecision(policy, "forced")
     if policy != "auto":

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -20,15 +20,12 @@ from kvpush.router.config import RouterConfig
 from kvpush.router.errors import RouterError
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.monitor import HealthMonitor
-from kvpush.router.planner import Prompt
+from kvpush.router.planner import Prompt, RoutePlan
 from kvpush.router.requests import ParsedRequest
 from kvpush.router.retry import Attempts
 from kvpush.router.selection import Selector, choose
 from kvpush.router.tasks import cancel_all
 from kvpush.topology import Backend, Role
-
-if TYPE_CHECKING:
-    from kvpush.router.routing import Routing
 
 ABORT_WAIT_S = 2.0  # how long aborting waits for cancelled leg tasks to unwind
 
@@ -67,6 +64,17 @@ class Legs:
             response.close()
 
 
+class RoutePlanning(Protocol):
+    """kvpush mode's planner as the flows call it: ``routing.Routing``
+    (which imports this module, not the reverse)."""
+
+    async def plan(self, ctx: FlowContext) -> RoutePlan: ...
+    def bind_late(
+        self, ctx: FlowContext, plan: RoutePlan, prefill: Backend
+    ) -> RoutePlan: ...
+    def served(self, plan: RoutePlan) -> None: ...
+
+
 @dataclass
 class FlowContext:
     """One client request in flight: its inputs and what it has opened.
@@ -92,7 +100,7 @@ class FlowContext:
     prefill_answered_at: float | None = None  # monotonic; for the handover metric
     first_byte_at: float | None = None  # decode's first byte/SSE event
     held: list[str] = field(default_factory=list)  # in flight on, per the board
-    routing: Routing | None = None  # kvpush mode's planner
+    routing: RoutePlanning | None = None  # kvpush mode's planner
     prompt: Prompt | None = None  # counted once per request (kvpush mode)
     response_headers: dict[str, str] = field(default_factory=dict)  # this attempt's
 

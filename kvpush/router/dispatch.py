@@ -112,7 +112,9 @@ async def _run_attempts(ctx: FlowContext, flow: Flow) -> web.StreamResponse:
 
 def _may_retry(ctx: FlowContext, err: RouterError) -> bool:
     """Retryable, nothing sent to a still-connected client, and every role
-    still has a healthy instance the failure is not blamed on."""
+    still has a healthy instance the failure is not blamed on (kvpush with
+    ``auto`` binding needs only a decode: with no prefill left, decode
+    computes the prompt)."""
     if not ctx.attempts.may_retry(
         err,
         has_client_started=ctx.has_client_started,
@@ -120,7 +122,10 @@ def _may_retry(ctx: FlowContext, err: RouterError) -> bool:
     ):
         return False
     avoided = ctx.attempts.avoided | ctx.attempts.blame(err)
-    return has_every_role(ctx.config.topology.backends, ctx.health.board, avoided)
+    backends = ctx.config.topology.backends
+    if ctx.config.mode == "kvpush" and ctx.config.routing.binding == "auto":
+        backends = tuple(b for b in backends if b.role == "decode")
+    return has_every_role(backends, ctx.health.board, avoided)
 
 
 # -- the flows -------------------------------------------------------------
@@ -160,9 +165,11 @@ async def push_flow(ctx: FlowContext) -> web.StreamResponse:
 async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
     """kvpush: the planner (``routing.py``) chooses the decode, the binding
     and, for a prefill leg, the prefill. Skip: decode alone gets the client's
-    body unchanged and computes what its prefix cache lacks. Early: both legs
-    at once (:func:`_early_flow`). Late: prefill first, then the decode
-    chosen on the load of that moment (:func:`_late_flow`)."""
+    body unchanged and computes what its prefix cache lacks (always so for a
+    request asking for prompt logprobs: vLLM would load no pushed KV for
+    it, ``binding.py``). Early: both legs at once (:func:`_early_flow`).
+    Late: prefill first, then the decode chosen on the load of that moment
+    (:func:`_late_flow`)."""
     if ctx.routing is None:
         raise RuntimeError("kvpush mode needs the router's Routing")
     plan = await ctx.routing.plan(ctx)
@@ -272,14 +279,7 @@ async def _concurrent_flow(
         open_first(ctx, "decode", decode, parsed.decode_body(decode_params)),
         "decode-leg",
     )
-    # kvpush's decode notices a prefill that is gone (its side-channel
-    # connection closes) and recomputes the prompt itself, so losing the
-    # prefill leg's connection does not end the request; vLLM's push has no
-    # such fallback, and a prefill that answered with an error stays an error.
-    decode_survives = ctx.config.mode == "kvpush"
-    response, first = await _await_decode_start(
-        ctx, prefill_task, decode_task, decode_survives
-    )
+    response, first = await _await_decode_start(ctx, prefill_task, decode_task)
     out = await relay(ctx, "decode", decode, response, first)
     await _settle_prefill(ctx, prefill_task)
     return out
@@ -297,11 +297,15 @@ async def _await_decode_start(
     ctx: FlowContext,
     prefill_task: asyncio.Task[bytes],
     decode_task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
-    decode_survives: bool,
 ) -> tuple[aiohttp.ClientResponse, bytes]:
     """Wait (under serve's deadline) for decode's first bytes or a leg
-    failure. With ``decode_survives``, a failed prefill leg is counted and
-    decode is left to fall back on its own (it answers or fails)."""
+    failure. A prefill leg whose connection was lost ends the attempt when
+    another may follow (off loopback decode cannot tell a dead prefill from
+    a partition and would wait for it; the aborted receive keeps its blocks
+    until prefill's final word). With no retry left, kvpush's decode is left
+    to fall back on its own (it recomputes the prompt once it sees the
+    prefill gone, and answers or fails). vLLM's push has no such fallback,
+    and a prefill that answered an error stays an error."""
     waiting: set[asyncio.Task[Any]] = {prefill_task, decode_task}
     while True:
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -314,9 +318,10 @@ async def _await_decode_start(
             raise prefill_error or decode_error  # prefill's failure is the cause
         prefill_error = prefill_task.exception()
         survivable = (
-            decode_survives
-            and prefill_error is not None
+            ctx.config.mode == "kvpush"
+            and isinstance(prefill_error, RouterError)
             and is_connection_lost(prefill_error)
+            and not _may_retry(ctx, prefill_error)
         )
         if prefill_error is not None and not survivable:
             raise prefill_error

@@ -56,10 +56,13 @@ DecodeReason = Literal["affinity", "spill", "prefix", "load"]
 @dataclass(frozen=True)
 class Prompt:
     """What the planner knows of a request: its token ids (None: not
-    counted) and the session it names (None: none)."""
+    counted), the session it names (None: none), and whether it asks for
+    prompt logprobs (vLLM then loads no KV for it: it is served by decode
+    alone, chosen without a transfer term)."""
 
     tokens: tuple[int, ...] | None
     session: str | None = None
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Planner:
             has_prefill=bool(ready_prefills),
             decode_busy=busy_score(self._load(decode, now), self.config.weights),
             late_min_busy=self.config.late_min_busy,
+            prompt_logprobs=prompt.prompt_logprobs,
         )
         if decision.binding != "late":  # a late choice takes its turn later
             self._num_decode_picks += 1
@@ -176,7 +180,11 @@ class Planner:
             d.engine_id: self.index.num_held_blocks(d.engine_id, hashes) * bs
             for d in candidates
         }
-        with_transfer = self.config.binding != "skip" and bool(prefills)
+        with_transfer = (
+            self.config.binding != "skip"
+            and not prompt.prompt_logprobs
+            and bool(prefills)
+        )
         w = self.config.weights
 
         def score(d: Backend) -> float:

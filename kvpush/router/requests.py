@@ -73,6 +73,20 @@ class ParsedRequest:
     def path(self) -> str:
         return ENDPOINT_PATHS[self.endpoint]
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """vLLM (0.32) computes this request's prompt logprobs, so it computes
+        the whole prompt itself and loads no KV (``skip_reading_prefix_cache``:
+        neither its prefix cache nor a connector): ``prompt_logprobs`` set, or
+        ``echo`` with ``logprobs`` (completions) or ``echo`` at all (chat,
+        whose ``top_logprobs`` defaults to 0, not null)."""
+        body = self.body
+        if body.get("prompt_logprobs") is not None:
+            return True
+        if not _is_true(body.get("echo")):
+            return False
+        return self.endpoint == "chat" or body.get("logprobs") is not None
+
     def prefill_body(self, kv_transfer_params: Any = None) -> bytes:
         """The prefill leg: one token, no streaming, KV kept for a remote
         decode (vLLM's ``do_remote_decode`` unless other params are given)."""
@@ -139,6 +153,16 @@ def returned_kv_params(answer: bytes, prefill: Backend) -> dict[str, Any]:
             "with a NixlConnector as kv_producer?",
         )
     return params
+
+
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _is_true(value: Any) -> bool:
+    """Whether vLLM's request model (pydantic, lax) reads ``value`` as true."""
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE_STRINGS
+    return value is True or (isinstance(value, int | float) and value == 1)
 
 
 def _decode_object(raw: bytes) -> dict[str, Any]:

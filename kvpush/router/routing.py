@@ -7,7 +7,8 @@ The app builds one :class:`Routing` in kvpush mode (``app.py``): it owns the
 :class:`~kvpush.router.planner.Planner`. For each attempt ``dispatch.py``
 calls :meth:`Routing.plan`, which counts the prompt once per request
 (``binding auto`` only: the other bindings need no count, so they pay no
-``/tokenize`` round trip), plans, and counts the decision; a late-bound
+``/tokenize`` round trip, nor does a request asking for prompt logprobs,
+which always skips: ``binding.py``), plans, and counts the decision; a late-bound
 attempt calls :meth:`Routing.bind_late` once its prefill answered; after
 decode's answer was relayed it calls :meth:`Routing.served`. An instance the health
 checks mark down is forgotten (its index entries and reads).
@@ -16,6 +17,7 @@ checks mark down is forgotten (its index entries and reads).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import aiohttp
@@ -31,6 +33,8 @@ from kvpush.router.selection import usable
 from kvpush.router.signals import SignalBoard
 from kvpush.router.tokenize import fetch_tokens
 from kvpush.topology import Backend
+
+logger = logging.getLogger(__name__)
 
 BINDING_HEADER = "x-kvpush-binding"
 DECODE_HEADER = "x-kvpush-decode"
@@ -81,6 +85,13 @@ class Routing:
             time.monotonic(),
         )
         self._metrics.binding(plan.decision.binding, plan.decision.reason)
+        logger.debug(
+            "request %s attempt %d: binding %s (%s)",
+            ctx.request_id,
+            ctx.attempts.number,
+            plan.decision.binding,
+            plan.decision.reason,
+        )
         if plan.decision.binding != "late":  # its decode is chosen later
             self._announce(ctx, plan)
         return plan
@@ -122,6 +133,8 @@ class Routing:
         session = session_key(
             ctx.request.headers, ctx.parsed.body, self.config.routing.session_header
         )
+        if ctx.parsed.wants_prompt_logprobs:  # skips, and reads no prefix cache
+            return Prompt(tokens=None, session=session, prompt_logprobs=True)
         if self.config.routing.binding != "auto":
             return Prompt(tokens=None, session=session)
         tokens = await self._tokens(ctx)

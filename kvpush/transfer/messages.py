@@ -57,7 +57,9 @@ from kvpush.transfer.ranks import MAX_TP_SIZE
 # 6: tensor-parallel ranks (Hello names decode's rank and TP size; HelloReply,
 # Done and Failure the prefill rank that says them; a DecodeLeg prefill's TP;
 # a Hello the model's KV heads, a Registration decode's TP: heterogeneous TP)
-PROTOCOL_VERSION = 6
+# 7: KV digests (a Done may carry the digest of the bytes its rank wrote;
+# Cause digest_mismatch, decode's own verdict)
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
@@ -106,6 +108,7 @@ class Cause(enum.Enum):
     PREEMPTED = "preempted"  # vLLM preempted the prefill request before its WRITE
     PEER_LOST = "peer_lost"  # the other side is gone (or fell silent)
     SEND_FAILED = "send_failed"  # decode could not send its Registration
+    DIGEST_MISMATCH = "digest_mismatch"  # decode: the KV landed, not intact
 
 
 # Why a received message was dropped (the ``kind`` of a ProtocolError).
@@ -288,12 +291,17 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     the side channel in answer to a :class:`Reconcile`, for a WRITE NIXL
     reported complete (NIXL's DONE: the data landed). ``rank``: the prefill
     worker rank that wrote it; decode's receive is over once every prefill
-    rank it expects said its final word."""
+    rank it expects said its final word. ``digest`` (KV verification, only
+    for a transfer the policy selects, on the NIXL notification): the
+    :mod:`kvpush.transfer.digest` of every byte this rank wrote to the
+    receiving decode rank in this transfer; decode checks it against its
+    own memory before the receive counts as done."""
 
     transfer_id: TransferId
     engine_id: Name
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
     rank: Rank = 0
+    digest: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
 
 Message = (

@@ -100,6 +100,15 @@ class FakeMemory:
     def put(self, addr: int, payload: bytes) -> None:
         self.data[addr - self.base : addr - self.base + len(payload)] = payload
 
+    def read(self, addr: int, length: int) -> memoryview:
+        """A view (the :class:`~kvpush.connector.kv_bytes.KvBytes` surface
+        KV digests read through)."""
+        return memoryview(self.data)[addr - self.base : addr - self.base + length]
+
+    def flip(self, addr: int) -> None:
+        """Invert one byte (what fault injection does to received KV)."""
+        self.data[addr - self.base] ^= 0xFF
+
     def copy(self, write: WriteRecord, dst: FakeMemory) -> None:
         """Apply ``write`` (posted by this memory's agent) into ``dst``."""
         for s, d in zip(write.src, write.dst, strict=True):

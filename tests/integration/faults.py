@@ -224,15 +224,16 @@ def assert_no_blocks_held(cluster: Cluster, timeout_s: float = 30.0) -> None:
 
 
 def wait_router_routes(cluster: Cluster, timeout_s: float = 30.0) -> None:
-    """The router's /health is 200: it probed every instance healthy."""
+    """The router's /ready says ``ok``: it probed every instance healthy."""
 
     def ok() -> bool:
         try:
             url = urllib.parse.urlsplit(cluster.url)
             conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
-            conn.request("GET", "/health")
-            return conn.getresponse().status == 200
-        except OSError:
+            conn.request("GET", "/ready")
+            reply = conn.getresponse()
+            return reply.status == 200 and json.loads(reply.read())["status"] == "ok"
+        except (OSError, ValueError, KeyError):
             return False
 
     assert wait_for(ok, timeout_s, step_s=0.5), "the router never routed again"

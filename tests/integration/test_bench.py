@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench.records import read_records
-from kvpush.bench.summary import load_summary
 from kvpush.cli import main
 from kvpush.launcher import netns, status
 from kvpush.model.kv_size import kv_bytes_per_token
+from kvpush_lab.bench.records import read_records
+from kvpush_lab.bench.summary import load_summary
 
 pytestmark = pytest.mark.integration
 

@@ -37,7 +37,9 @@ from tests.integration.conftest import Cluster, start_cluster
 
 pytestmark = pytest.mark.integration
 
-OPTIONS: dict[str, Any] = faults.SHORT_DEADLINES
+# Every transfer's KV digest checked: the other faults run with it on (no
+# false positive), and the self-test's fault needs it.
+OPTIONS: dict[str, Any] = {**faults.SHORT_DEADLINES, "verify_kv": "all"}
 DEADLINE_S = 60.0  # no request may take longer, whatever the fault
 
 
@@ -149,6 +151,24 @@ def test_write_delayed_past_its_deadline_falls_back(cluster, reference):
     assert faults.delta(before, cluster, "prefill0", "expired.matched") == 1
     assert faults.delta(before, cluster, "decode0", "receive_failed.expired") == 1
     faults.assert_no_blocks_held(cluster)
+
+
+def test_corrupted_kv_is_caught_and_recomputed(cluster, reference):
+    """KV digests' self-test: decode inverts one byte of the KV it received
+    (the fault file's ``corrupt_received``, right before the check). The
+    digest must catch it and fail the receive, and vLLM recompute the
+    prompt: the answer is still colocated's."""
+    before = faults.counters(cluster)
+    faults.set_faults(cluster, corrupt_received=True)
+    reply = send(cluster, 29)
+    assert_correct(reference, 29, reply)
+    assert faults.delta(before, cluster, "decode0", "digest_mismatch") == 1
+    mismatch = "receive_failed.digest_mismatch"
+    assert faults.delta(before, cluster, "decode0", mismatch) == 1
+    assert faults.delta(before, cluster, "decode0", "fallback") == 1
+    faults.assert_no_blocks_held(cluster)
+    faults.set_faults(cluster)
+    assert_pushed(cluster, reference, 31)  # and the next one is verified, intact
 
 
 @pytest.mark.parametrize(

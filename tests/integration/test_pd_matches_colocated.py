@@ -86,7 +86,10 @@ class PDChecks:
     def _every_receive_was_pushed(cluster: Cluster) -> None:
         """A receive that failed falls back to decode's own prefill, which
         gives the same text: only the connector's counters tell P/D from
-        colocated. None may have failed, and some must have arrived."""
+        colocated. None may have failed, and some must have arrived. The
+        kvpush classes run with ``verify_kv: all``: no KV digest may have
+        mismatched (no false positive under load, at every granularity and
+        TP), and every receive's was checked."""
         faults.nudge(cluster, "decode0")  # counts reach /metrics with a step
         events = faults.counters(cluster)["decode0"]
         failed = {
@@ -99,6 +102,9 @@ class PDChecks:
             cluster, "decode0", "vllm:kvpush_phase_seconds_count", phase="handover"
         )
         assert arrived >= len(workload.SHAPES), f"only {arrived:g} receives arrived"
+        assert events["digest_mismatch"] == 0, events
+        assert events["digest_missing"] == 0, events
+        assert events["digest_verified"] >= arrived, events
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         # Runs last in the class (pytest keeps definition order).
@@ -121,7 +127,10 @@ class TestKvPush(PDChecks):
     256 KiB, is below ``layer_push_min_bytes``) with the per-layer hooks on."""
 
     mode = "kvpush"
-    cluster_options: ClassVar[dict[str, Any]] = {"max_num_batched_tokens": 256}
+    cluster_options: ClassVar[dict[str, Any]] = {
+        "max_num_batched_tokens": 256,
+        "verify_kv": "all",
+    }
 
 
 class TestKvPushWholeRequest(TestKvPush):
@@ -131,6 +140,7 @@ class TestKvPushWholeRequest(TestKvPush):
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "push_granularity": "request",
+        "verify_kv": "all",
     }
 
 
@@ -142,6 +152,7 @@ class TestKvPushStreamed(TestKvPush):
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "push_granularity": "chunk",
+        "verify_kv": "all",
     }
 
 
@@ -153,4 +164,5 @@ class TestKvPushPerLayer(TestKvPush):
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "push_granularity": "layer",
+        "verify_kv": "all",
     }

@@ -1,4 +1,4 @@
-"""A short soak of a real kvpush cluster (``python -m kvpush.soak``,
+"""A short soak of a real kvpush cluster (``python -m kvpush_lab.soak``,
 45 s): with a quarter of the requests aborted by the client mid-request,
 no request is lost, no KV block leaks, and the cluster is stopped after.
 The soak starts and stops a cluster of its own, on ports no other test
@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from kvpush.launcher import status
-from kvpush.soak.cli import main
-from kvpush.soak.report import SOAK_SUMMARY_FILE, SoakSummary
+from kvpush_lab.soak.cli import main
+from kvpush_lab.soak.report import SOAK_SUMMARY_FILE, SoakSummary
 
 pytestmark = pytest.mark.integration
 

@@ -39,6 +39,7 @@ class TestKvPushPrefillTp2DecodeTp1(PDChecks):
         "max_num_batched_tokens": 256,
         "prefill_tp": 2,
         "decode_tp": 1,
+        "verify_kv": "all",
     }
 
 
@@ -50,6 +51,7 @@ class TestKvPushPrefillTp1DecodeTp2(PDChecks):
         "max_num_batched_tokens": 256,
         "prefill_tp": 1,
         "decode_tp": 2,
+        "verify_kv": "all",
     }
 
 
@@ -63,6 +65,7 @@ class TestKvPushPrefillTp2DecodeTp2(PDChecks):
         "max_num_batched_tokens": 256,
         "prefill_tp": 2,
         "decode_tp": 2,
+        "verify_kv": "all",
     }
 
 

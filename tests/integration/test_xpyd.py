@@ -259,7 +259,7 @@ def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            with urllib.request.urlopen(f"{url}/ready", timeout=5) as resp:
                 if resp.status == 200:
                     return
         except OSError:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench.bandwidth import (
+from kvpush_lab.bench.bandwidth import (
     MIB,
     from_nixl,
     from_samples,

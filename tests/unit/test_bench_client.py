@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from kvpush.bench import client, loadgen
-from kvpush.bench.lengths import LengthSpec
-from kvpush.bench.records import RequestRecord
-from kvpush.bench.workload import PointWorkload, RequestSpec, SweepPoint
+from kvpush_lab.bench import client, loadgen
+from kvpush_lab.bench.lengths import LengthSpec
+from kvpush_lab.bench.records import RequestRecord
+from kvpush_lab.bench.workload import PointWorkload, RequestSpec, SweepPoint
 from tests.fakes import Fault, dead_url, routed
 
 

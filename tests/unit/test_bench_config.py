@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvpush.bench.cli import add_parser, command_line, config_from_args
-from kvpush.bench.config import BenchConfig, load_config_file, make_config, preset
+from kvpush_lab.bench.cli import add_parser, command_line, config_from_args
+from kvpush_lab.bench.config import BenchConfig, load_config_file, make_config, preset
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

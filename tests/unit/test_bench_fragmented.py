@@ -10,11 +10,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpush.bench.bandwidth import Histogram, NixlTransfers
-from kvpush.bench.churn import CHURN_POINT, Churn, abort_points, churn_workload
-from kvpush.bench.cli import add_parser, config_from_args
-from kvpush.bench.config import make_config
-from kvpush.bench.fragment import (
+from kvpush.cli import main
+from kvpush_lab.bench.bandwidth import Histogram, NixlTransfers
+from kvpush_lab.bench.churn import CHURN_POINT, Churn, abort_points, churn_workload
+from kvpush_lab.bench.cli import add_parser, config_from_args
+from kvpush_lab.bench.config import make_config
+from kvpush_lab.bench.fragment import (
     FragmentPoint,
     Meanwhile,
     TracedWrite,
@@ -27,13 +28,17 @@ from kvpush.bench.fragment import (
     read_traced_writes,
     top_bucket,
 )
-from kvpush.bench.lengths import LengthSpec
-from kvpush.bench.records import ABORTED, RequestRecord, read_records
-from kvpush.bench.report import render_report
-from kvpush.bench.runner import block_size_args, cluster_config
-from kvpush.bench.summary import BenchSummary, ConfigResult, PointResult, load_summary
-from kvpush.bench.workload import RequestSpec, sweep_points
-from kvpush.cli import main
+from kvpush_lab.bench.lengths import LengthSpec
+from kvpush_lab.bench.records import ABORTED, RequestRecord, read_records
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.runner import block_size_args, cluster_config
+from kvpush_lab.bench.summary import (
+    BenchSummary,
+    ConfigResult,
+    PointResult,
+    load_summary,
+)
+from kvpush_lab.bench.workload import RequestSpec, sweep_points
 from tests.fakes import routed
 from tests.unit.test_bench_client import send_one
 from tests.unit.test_bench_report import dist, stats

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.bench.links import (
+from kvpush.launcher.netns import LinkBytes
+from kvpush_lab.bench.links import (
     GIB,
     MIB,
     cpu_per_gib,
@@ -14,8 +15,7 @@ from kvpush.bench.links import (
     link_usage,
     per_gib,
 )
-from kvpush.bench.summary import InstanceUsage
-from kvpush.launcher.netns import LinkBytes
+from kvpush_lab.bench.resources import InstanceUsage
 
 TINY_KV_PER_TOKEN = 2048  # 2 layers x 2 KV heads x 64 x (K, V) x 4 B
 ROLES = {"prefill0": "prefill", "decode0": "decode"}

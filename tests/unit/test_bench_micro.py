@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.bench.micro import baseline, build
-from kvpush.bench.micro.cli import publish
-from kvpush.bench.micro.report import SECTION, CpuTiming, MicroRun, render_section
-from kvpush.bench.micro.stats import Spread, time_rounds
-from kvpush.bench.outputs import KEPT_SECTIONS
-from kvpush.bench.sections import carry_sections, find_section, put_section
 from kvpush.transfer.coalesce import desc_list, descriptors, runs
+from kvpush_lab.bench.micro import baseline, build
+from kvpush_lab.bench.micro.cli import publish
+from kvpush_lab.bench.micro.report import SECTION, CpuTiming, MicroRun, render_section
+from kvpush_lab.bench.micro.stats import Spread, time_rounds
+from kvpush_lab.bench.outputs import KEPT_SECTIONS
+from kvpush_lab.bench.sections import carry_sections, find_section, put_section
 
 SMALL_SRC = build.layout(0x1000, num_blocks=64, block_bytes=96, num_layers=3)
 SMALL_DST = build.layout(0x900000, num_blocks=80, block_bytes=96, num_layers=3)
@@ -122,7 +122,7 @@ def test_publish_keeps_other_sections_and_bench_carries_it_over(tmp_path: Path) 
 
 
 def test_the_writer_reaches_each_state_and_stops() -> None:
-    from kvpush.bench.micro.writer_cpu import measure_writer_cpu
+    from kvpush_lab.bench.micro.writer_cpu import measure_writer_cpu
 
     before = set(threading.enumerate())
     idle, waiting, inflight, both = measure_writer_cpu(

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvpush.bench import runner
-from kvpush.bench.cli import add_parser, command_line, config_from_args
-from kvpush.bench.config import BenchConfig, load_config_file, make_config
-from kvpush.bench.inputs import model_dir_name, model_spec
 from kvpush.model import ModelSpec
+from kvpush_lab.bench import runner
+from kvpush_lab.bench.cli import add_parser, command_line, config_from_args
+from kvpush_lab.bench.config import BenchConfig, load_config_file, make_config
+from kvpush_lab.bench.inputs import model_dir_name, model_spec
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench.bandwidth import MIB, BandwidthStats
-from kvpush.bench.links import HostBytes, LinkUsage
-from kvpush.bench.outputs import publish, write_outputs
-from kvpush.bench.records import RequestRecord, write_records
-from kvpush.bench.report import render_report
-from kvpush.bench.sections import (
+from kvpush_lab.bench.bandwidth import MIB, BandwidthStats
+from kvpush_lab.bench.links import HostBytes, LinkUsage
+from kvpush_lab.bench.outputs import publish, write_outputs
+from kvpush_lab.bench.records import RequestRecord, write_records
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.resources import InstanceUsage
+from kvpush_lab.bench.sections import (
     demote_headings,
     find_section,
     put_section,
     section_names,
 )
-from kvpush.bench.stats import Dist, PointStats
-from kvpush.bench.summary import (
+from kvpush_lab.bench.stats import Dist, PointStats
+from kvpush_lab.bench.summary import (
     BenchSummary,
     ConfigResult,
-    InstanceUsage,
     PointInfo,
     PointResult,
     save_summary,

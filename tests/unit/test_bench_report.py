@@ -7,20 +7,19 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpush.bench.outputs import publish, write_outputs
-from kvpush.bench.report import render_report
-from kvpush.bench.stats import Dist, PointStats
-from kvpush.bench.summary import (
+from kvpush_lab.bench.outputs import publish, write_outputs
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.resources import InstanceUsage, WindowLoad
+from kvpush_lab.bench.stats import Dist, PointStats
+from kvpush_lab.bench.summary import (
     BenchSummary,
     ConfigResult,
-    InstanceUsage,
     PointInfo,
     PointResult,
-    WindowLoad,
     load_summary,
     save_summary,
 )
-from kvpush.bench.timeline import HandoverStats
+from kvpush_lab.bench.timeline import HandoverStats
 
 
 def dist(p50: float, p99: float | None = None) -> Dist:

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from kvpush.bench.resources import (
+from kvpush.launcher.state import ProcessRecord
+from kvpush_lab.bench.resources import (
     ResourceMonitor,
     machine_info,
     parse_cpu_model,
@@ -16,7 +17,6 @@ from kvpush.bench.resources import (
     parse_proc_stat,
     versions,
 )
-from kvpush.launcher.state import ProcessRecord
 
 # /proc/PID/stat of a process whose name contains a space and a parenthesis
 STAT = (

@@ -9,11 +9,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpush.bench.cli import PUBLISH_REPEAT, add_parser, config_from_args
-from kvpush.bench.config import BenchConfig, make_config
-from kvpush.bench.records import read_records
-from kvpush.bench.report import render_report
-from kvpush.bench.rounds import (
+from kvpush.cli import main
+from kvpush_lab.bench.cli import PUBLISH_REPEAT, add_parser, config_from_args
+from kvpush_lab.bench.config import BenchConfig, make_config
+from kvpush_lab.bench.records import read_records
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.rounds import (
     Spread,
     describe,
     ratio_spread,
@@ -22,10 +23,14 @@ from kvpush.bench.rounds import (
     rounds_of,
     spread,
 )
-from kvpush.bench.router_legs import LegTotals, parse_leg_totals, router_legs
-from kvpush.bench.runner import plan_runs
-from kvpush.bench.summary import BenchSummary, ConfigResult, PointResult, load_summary
-from kvpush.cli import main
+from kvpush_lab.bench.router_legs import LegTotals, parse_leg_totals, router_legs
+from kvpush_lab.bench.runner import plan_runs
+from kvpush_lab.bench.summary import (
+    BenchSummary,
+    ConfigResult,
+    PointResult,
+    load_summary,
+)
 from tests.unit.test_bench_report import stats
 from tests.unit.test_bench_report import summary as one_round_summary
 from tests.unit.test_bench_runner import FAST, FakeLauncher, launcher

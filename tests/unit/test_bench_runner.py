@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from kvpush.bench import clusters, runner
-from kvpush.bench.records import read_records
-from kvpush.bench.summary import load_summary
 from kvpush.cli import main
 from kvpush.launcher import ClusterConfig
 from kvpush.launcher.state import ProcessRecord, RunState
+from kvpush_lab.bench import clusters, runner
+from kvpush_lab.bench.records import read_records
+from kvpush_lab.bench.summary import load_summary
 from tests.fakes import Fault, routed
 
 NUM_REQUESTS = 6  # the quick preset

@@ -11,15 +11,20 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpush.bench.config import make_config
-from kvpush.bench.goodput import Goodput, Slo, goodput
-from kvpush.bench.outputs import write_outputs
-from kvpush.bench.records import RequestRecord
-from kvpush.bench.report import render_report
-from kvpush.bench.router_legs import RouterLegs
-from kvpush.bench.summary import BenchSummary, ConfigResult, PointResult, load_summary
-from kvpush.bench.workload import Traces, build_point, sweep_points
 from kvpush.cli import main
+from kvpush_lab.bench.config import make_config
+from kvpush_lab.bench.goodput import Goodput, Slo, goodput
+from kvpush_lab.bench.outputs import write_outputs
+from kvpush_lab.bench.records import RequestRecord
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.router_legs import RouterLegs
+from kvpush_lab.bench.summary import (
+    BenchSummary,
+    ConfigResult,
+    PointResult,
+    load_summary,
+)
+from kvpush_lab.bench.workload import Traces, build_point, sweep_points
 from tests.unit.test_bench_report import stats
 from tests.unit.test_bench_report import summary as sweep_summary
 from tests.unit.test_bench_runner import FakeLauncher, launcher

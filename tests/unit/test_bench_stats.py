@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.bench.records import RequestRecord
-from kvpush.bench.stats import (
+from kvpush_lab.bench.records import RequestRecord
+from kvpush_lab.bench.stats import (
     Dist,
     percentile,
     ratio,

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench.bandwidth import MIB, shaped_mib_s
-from kvpush.bench.config import BenchConfig, make_config
-from kvpush.bench.links import HostBytes, LinkUsage
-from kvpush.bench.names import cluster_of, granularity_of
-from kvpush.bench.outputs import write_outputs
-from kvpush.bench.overlap import (
+from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
+from kvpush_lab.bench.bandwidth import MIB, shaped_mib_s
+from kvpush_lab.bench.config import BenchConfig, make_config
+from kvpush_lab.bench.links import HostBytes, LinkUsage
+from kvpush_lab.bench.names import cluster_of, granularity_of
+from kvpush_lab.bench.outputs import write_outputs
+from kvpush_lab.bench.overlap import (
     OverlapStats,
     TransferTrace,
     collect,
@@ -24,17 +25,16 @@ from kvpush.bench.overlap import (
     read_transfers,
     summarize,
 )
-from kvpush.bench.report import render_report
-from kvpush.bench.runner import cluster_config
-from kvpush.bench.stats import Dist, PointStats
-from kvpush.bench.summary import (
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.runner import cluster_config
+from kvpush_lab.bench.stats import Dist, PointStats
+from kvpush_lab.bench.summary import (
     BenchSummary,
     ConfigResult,
     PointInfo,
     PointResult,
     save_summary,
 )
-from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 
 # -- configuration names ------------------------------------------------------
 
@@ -323,8 +323,8 @@ def test_the_setup_names_the_swept_lengths_and_the_chunk() -> None:
 
 
 def test_a_streamed_transfers_phases_time_its_last_write() -> None:
-    from kvpush.bench.timeline import collect as collect_timelines
-    from kvpush.bench.timeline import parse_line
+    from kvpush_lab.bench.timeline import collect as collect_timelines
+    from kvpush_lab.bench.timeline import parse_line
 
     timelines = collect_timelines(parse_line(x) for x in streamed())
     (timeline,) = timelines.unjoined

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.bench.timeline import (
+from kvpush_lab.bench.timeline import (
     TRACE_DIR,
     TimelineSet,
     bench_id_of,

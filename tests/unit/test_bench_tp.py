@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvpush.bench.cli import add_parser, config_from_args
-from kvpush.bench.config import make_config
-from kvpush.bench.report import render_report
-from kvpush.bench.runner import cluster_config
+from kvpush_lab.bench.cli import add_parser, config_from_args
+from kvpush_lab.bench.config import make_config
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.runner import cluster_config
 from tests.unit.test_bench_report import summary
 
 

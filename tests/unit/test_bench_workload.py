@@ -10,9 +10,9 @@ from random import Random
 
 import pytest
 
-from kvpush.bench.config import BenchConfig
-from kvpush.bench.lengths import LengthSpec, read_trace
-from kvpush.bench.workload import (
+from kvpush_lab.bench.config import BenchConfig
+from kvpush_lab.bench.lengths import LengthSpec, read_trace
+from kvpush_lab.bench.workload import (
     PointWorkload,
     Traces,
     build_point,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvpush.bench.writes import (
+from kvpush_lab.bench.writes import (
     WriteSize,
     descriptor_line,
     read_write_sizes,

@@ -11,30 +11,30 @@ from typing import Any
 
 import pytest
 
-from kvpush.bench import background, conversation
-from kvpush.bench import config as config_module
-from kvpush.bench.bindings import (
+from kvpush.launcher.state import ProcessRecord
+from kvpush_lab.bench import background, conversation
+from kvpush_lab.bench import config as config_module
+from kvpush_lab.bench.bindings import (
     BindingMix,
     count_delta,
     describe_counts,
     header_mix,
     parse_counts,
 )
-from kvpush.bench.clusters import Run, share_runs
-from kvpush.bench.config import BenchConfig, cluster_of, make_config
-from kvpush.bench.report import render_report
-from kvpush.bench.runner import cluster_config
-from kvpush.bench.scenario import plan_requests, salt_of
-from kvpush.bench.stats import Dist, PointStats
-from kvpush.bench.summary import (
+from kvpush_lab.bench.clusters import Run, share_runs
+from kvpush_lab.bench.config import BenchConfig, cluster_of, make_config
+from kvpush_lab.bench.report import render_report
+from kvpush_lab.bench.runner import cluster_config
+from kvpush_lab.bench.scenario import plan_requests, salt_of
+from kvpush_lab.bench.stats import Dist, PointStats
+from kvpush_lab.bench.summary import (
     BackgroundResult,
     BenchSummary,
     ConfigResult,
     PointInfo,
     PointResult,
 )
-from kvpush.bench.workload import Traces
-from kvpush.launcher.state import ProcessRecord
+from kvpush_lab.bench.workload import Traces
 
 VOCAB = list(range(3, 500))
 SKEWED = {"workload": "skewed", "num_prefill": 2, "num_decode": 2}

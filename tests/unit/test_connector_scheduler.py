@@ -24,6 +24,7 @@ from kvpush.connector.metadata import (
     DecodeMetadata,
     PreemptedPush,
     PrefillMetadata,
+    PushesOver,
     PushTrigger,
     RecvExpect,
 )
@@ -62,6 +63,7 @@ class FakeRequest:
     kv_transfer_params: dict[str, Any] | None
     num_prompt_tokens: int = PROMPT
     num_computed_tokens: int = 0
+    skip_reading_prefix_cache: bool = False  # vLLM: prompt_logprobs
 
 
 @dataclass
@@ -318,6 +320,81 @@ def test_decode_request_finishing_after_its_kv_arrived_cancels_nothing(decode):
     assert leftovers(sched) == {}, "the request's whole life left nothing behind"
 
 
+def test_a_request_allocated_with_no_external_tokens_cancels_at_once(decode):
+    """vLLM claims nothing external after all (e.g. trims of its own): decode
+    gives the transfer up in that very call, so prefill frees the pushed KV
+    now, not at its ready deadline; the request is served locally."""
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
+
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), 0)
+
+    assert peers.sent == [
+        (
+            PREFILL_HOST,
+            PREFILL_PORT,
+            Cancel(
+                transfer_id="t1",
+                engine_id="d0",
+                reason="vLLM allocated the request with no external tokens",
+            ),
+        )
+    ], "cancelled at allocation, before the request finished"
+    assert sched.counters.get("skipped.no_external_load") == 1
+    assert empty_step(sched) == DecodeMetadata(), "the worker expects nothing"
+    # preempted and scheduled again: still nothing to claim or register
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    assert sched.request_finished(req) == (False, None), "vLLM frees its blocks"
+    assert peers.messages(Registration) == []
+    assert len(peers.messages(Cancel)) == 1, "cancelled once"
+    assert sched.counters.get("aborted.before_registration") == 0, "not an abort"
+    assert not sched.has_pending_push_work()
+    assert leftovers(sched) == {}
+
+
+def test_a_request_vllm_skips_external_loads_for_claims_nothing_and_cancels(
+    decode,
+):
+    """``prompt_logprobs`` makes vLLM set ``skip_reading_prefix_cache`` and
+    zero whatever the connector claims (``update_state_after_alloc`` gets 0):
+    decode says 0 and cancels when first asked."""
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS, skip_reading_prefix_cache=True)
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert [(c.transfer_id, c.reason) for c in peers.messages(Cancel)] == [
+        ("t1", "vLLM skips external loads for this request (prompt_logprobs)")
+    ]
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), 0)
+    assert sched.request_finished(req) == (False, None)
+
+    assert peers.messages(Registration) == []
+    assert len(peers.messages(Cancel)) == 1, "cancelled once"
+    assert sched.counters.snapshot() == {"skipped.no_external_load": 1}
+    assert empty_step(sched) == DecodeMetadata()
+    assert leftovers(sched) == {}
+
+
+def test_a_sibling_vllm_skips_external_loads_for_cancels_nothing(decode):
+    """``n`` > 1 with ``prompt_logprobs``: the first child gives the transfer
+    up; the others neither wait for it nor cancel it again."""
+    sched, peers = decode
+    first = FakeRequest("r1", DECODE_PARAMS, skip_reading_prefix_cache=True)
+    twin = FakeRequest("r9", DECODE_PARAMS, skip_reading_prefix_cache=True)
+    assert sched.get_num_new_matched_tokens(first, 0) == (0, False)
+
+    assert sched.get_num_new_matched_tokens(twin, 0) == (0, False)
+    sched.update_state_after_alloc(twin, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    assert [sched.request_finished(r) for r in (twin, first)] == [(False, None)] * 2
+
+    assert len(peers.messages(Cancel)) == 1
+    assert peers.messages(Registration) == []
+    assert sched.counters.snapshot() == {"skipped.no_external_load": 1}
+    assert leftovers(sched) == {}
+
+
 def test_decode_traces_the_registration_and_the_first_decode_step(tmp_path: Path):
     sched, _ = make_decode(trace_dir=str(tmp_path))
     try:
@@ -495,12 +572,15 @@ def test_preemption_after_the_trigger_is_handed_to_the_worker_once(prefill):
     meta = prefill.build_connector_meta(out)
 
     assert meta.preempted == [PreemptedPush("r2", "t2")]
-    assert not prefill.has_pending_push_work(), "nothing of ours holds blocks"
+    assert prefill.has_pending_push_work(), "our pins hold its pushed blocks"
     # vLLM recomputes it; the recompute does not push again
     req.num_computed_tokens = 0
     again = run_step(prefill, req, PROMPT, cached(req, [7, 8, 9, 10, 11], True))
     assert again.triggers == [] and again.preempted == []
     assert prefill.request_finished(req) == (False, None), "vLLM frees its blocks"
+    # the writer's WRITE ended: the pins go (test_connector_prefill_pins.py)
+    prefill.update_connector_output(None, None, PushesOver({"r2": frozenset({0})}))
+    assert not prefill.has_pending_push_work()
     assert leftovers(prefill) == {}
 
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpush.connector.metadata import PreemptedPush, PushTrigger
+from kvpush.connector.metadata import PreemptedPush, PushesOver, PushTrigger
 from kvpush.connector.prefill.scheduler import PrefillScheduler
 from tests.fakes.fake_nixl import leftovers
 from tests.unit.test_connector_scheduler import (
@@ -126,6 +126,8 @@ def test_a_preemption_mid_stream_closes_the_push_and_triggers_nothing_more(
 
     assert again.triggers == [], "its transfer is closed"
     assert streamed.request_finished(req) == (False, None), "vLLM frees its blocks"
+    assert streamed.has_pending_push_work(), "its first chunk stays pinned"
+    streamed.update_connector_output(None, None, PushesOver({"r2": frozenset({0})}))
     assert leftovers(streamed) == {}
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpush.connector.metadata import DecodeMetadata
+from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy
 from kvpush.transfer.heads import HeadShare
 from kvpush.transfer.messages import Cancel, Cause, Done, Failure, HelloReply, decode
 from kvpush.transfer.ranks import TpPair
@@ -49,7 +50,13 @@ DST = (10, 11, 12, 13)  # Rig.register's
 class Cluster:
     """Every prefill rank's writer and every decode rank's agent and memory."""
 
-    def __init__(self, prefill_tp: int, decode_tp: int, heads: int) -> None:
+    def __init__(
+        self,
+        prefill_tp: int,
+        decode_tp: int,
+        heads: int,
+        verify: VerifyPolicy = VERIFY_OFF,
+    ) -> None:
         self.pair = TpPair(prefill_tp, decode_tp, heads)
         self.decode_ios = [
             FakeNixlIO(f"kvpush-d0-rank{d}", layout(DST_BASE, self._block(d, False)))
@@ -62,10 +69,11 @@ class Cluster:
                 decode_ios=self.decode_ios,
                 total_kv_heads=heads,
                 block_bytes=self._block(r, True),
+                verify=verify,
             )
             for r in range(prefill_tp)
         ]
-        self.src_mem = [FakeMemory(rig.io.layout) for rig in self.rigs]
+        self.src_mem = [rig.memory for rig in self.rigs]  # what digests hash
         self.dst_mem = [FakeMemory(io.layout) for io in self.decode_ios]
         for r, mem in enumerate(self.src_mem):
             self._fill(mem, self.rigs[r].io.layout, self.pair.mapping.prefill_share(r))

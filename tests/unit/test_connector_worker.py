@@ -27,6 +27,7 @@ from kvpush.connector.metadata import (
     DecodeMetadata,
     PreemptedPush,
     PrefillMetadata,
+    PushesOver,
     PushTrigger,
     RecvExpect,
 )
@@ -77,7 +78,11 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
 
 
 def make_config(
-    role: str, tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0
+    role: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads: int = 0,
+    **extra: object,
 ) -> ConnectorConfig:
     return ConnectorConfig(
         role=role,  # type: ignore[arg-type]
@@ -89,6 +94,7 @@ def make_config(
         tp_size=tp_size,
         tp_rank=tp_rank,
         total_kv_heads=total_kv_heads,
+        **extra,  # type: ignore[arg-type]
     )
 
 
@@ -185,12 +191,17 @@ def assert_idle(worker: DecodeWorker) -> None:
 
 
 def make_decode(
-    clock: FakeTime, rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0
+    clock: FakeTime,
+    rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads: int = 0,
+    **extra: object,
 ) -> Decode:
     """Decode worker rank ``rank`` (of ``tp_size``, the model's KV heads
     ``total_kv_heads``, 0: not known) as ``register_kv_caches`` leaves it,
-    NIXL faked; close with :func:`close_decode`."""
-    config = make_config("decode", rank, tp_size, total_kv_heads)
+    NIXL faked (``extra``: more config fields); close with
+    :func:`close_decode`."""
+    config = make_config("decode", rank, tp_size, total_kv_heads, **extra)
     worker = DecodeWorker(config)
     io = FakeNixlIO(config.agent_name, LAYOUT)
     peers = FakePeers()
@@ -526,8 +537,6 @@ class RecordingWriter:
     cancelled: list[str] = field(default_factory=list)
     preempted: list[set[str]] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)
-    preempt_ok: bool = True
-    write_timeout_s: float = 1.0
 
     def kv_ready(
         self, ready: ReadyKv, req_id: str, fence: object, mark_ready: bool = True
@@ -545,9 +554,8 @@ class RecordingWriter:
     def cancel(self, transfer_id: str) -> None:
         self.cancelled.append(transfer_id)
 
-    def preempt(self, transfer_ids: set[str], timeout_s: float) -> bool:
+    def preempt(self, transfer_ids: set[str]) -> None:
         self.preempted.append(set(transfer_ids))
-        return self.preempt_ok
 
     def take_finished(self) -> set[str]:
         out, self.pushed = self.pushed, set()
@@ -617,6 +625,8 @@ def test_prefill_releases_blocks_once_vllm_and_the_writer_are_both_done(prefill)
     assert worker.get_finished({"r2"}) == set()  # vLLM first this time
     writer.pushed = {"r2"}
     assert worker.get_finished(set()) == {"r2"}
+    rank0 = frozenset({0})  # and to the scheduler's pins, as the writer said
+    assert worker.build_worker_meta() == PushesOver({"r1": rank0, "r2": rank0})
     assert leftovers(worker) == {}
 
 
@@ -634,8 +644,8 @@ def test_preempted_requests_are_closed_before_the_forward_and_never_reported(
     prefill,
 ):
     """Issue 9 item 1: vLLM frees a preempted request's blocks itself; the
-    worker must wait for the writer and then never report it (vLLM asserts
-    on finished_sending for a request it no longer holds for us)."""
+    worker must never report it in finished_sending (vLLM asserts on it for
+    a request it no longer holds for us), only to the scheduler's pins."""
     worker, writer = prefill
     worker.bind(PrefillMetadata(triggers=[trigger("r1", "t1")]))
     worker.wait_for_save()
@@ -645,14 +655,29 @@ def test_preempted_requests_are_closed_before_the_forward_and_never_reported(
     assert writer.preempted == [{"t1"}]
     writer.pushed = {"r1"}  # the writer released it (closed the transfer)
     assert worker.get_finished({"r1"}) == set()
+    assert worker.build_worker_meta() == PushesOver({"r1": frozenset({0})})
     assert leftovers(worker) == {}
 
 
-def test_preemption_refuses_to_return_while_a_write_may_read_the_blocks(prefill):
+def test_a_preemption_with_a_write_in_flight_returns_at_once_and_reports_it_later(
+    prefill,
+):
+    """The review's hang: ``handle_preemptions`` used to wait for the WRITE
+    (up to its timeout + 5 s) and then raise, stopping the engine. Now it
+    only closes the push; the rank says the push is over (for the pins)
+    when the writer does, however much later, and says it once."""
     worker, writer = prefill
-    writer.preempt_ok = False  # a WRITE NIXL will not stop
+    worker.config = dataclasses.replace(worker.config, tp_size=2, tp_rank=1)
+    worker.bind(PrefillMetadata(triggers=[trigger("r1", "t1")]))
+    worker.wait_for_save()
 
-    with pytest.raises(RuntimeError, match="preempted"):
-        worker.handle_preemptions(
-            PrefillMetadata(preempted=[PreemptedPush("r1", "t1")])
-        )
+    worker.handle_preemptions(PrefillMetadata(preempted=[PreemptedPush("r1", "t1")]))
+
+    assert writer.preempted == [{"t1"}], "closed, not waited for"
+    assert worker.get_finished(set()) == set()
+    assert worker.build_worker_meta() is None, "the WRITE still runs"
+    writer.pushed = {"r1"}  # it ended
+    assert worker.get_finished(set()) == set()
+    assert worker.build_worker_meta() == PushesOver({"r1": frozenset({1})})
+    assert worker.build_worker_meta() is None
+    assert leftovers(worker) == {}

@@ -23,6 +23,7 @@ from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.coalesce import Desc
+from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import (
@@ -37,7 +38,7 @@ from kvpush.transfer.messages import (
     Reconcile,
     Registration,
 )
-from tests.fakes.fake_nixl import FakeNixlIO, leftovers, wait_for
+from tests.fakes.fake_nixl import FakeMemory, FakeNixlIO, leftovers, wait_for
 
 BS = 16  # tokens per block
 NUM_LAYERS = 2
@@ -93,11 +94,13 @@ class Rig:
         decode_ios: list[FakeNixlIO] | None = None,
         total_kv_heads: int = 0,
         block_bytes: int = BLOCK_BYTES,
+        verify: VerifyPolicy = VERIFY_OFF,
     ) -> None:
         """Prefill worker rank ``rank`` of ``tp_size`` (a block of
         ``block_bytes``); its decode peer is the decode rank it writes to
         (same TP size), or with ``decode_ios`` each decode rank's agent
-        (decode TP ``len(decode_ios)``, the model's ``total_kv_heads``)."""
+        (decode TP ``len(decode_ios)``, the model's ``total_kv_heads``).
+        ``memory`` holds its KV bytes (what ``verify``'s digests hash)."""
         self.rank, self.tp_size = rank, tp_size
         self.decode_tp = len(decode_ios) if decode_ios else tp_size
         self.io = FakeNixlIO(
@@ -108,6 +111,7 @@ class Rig:
             FakeNixlIO("kvpush-d0", layout(DST_BASE, num_layers=num_layers))
         ]
         self.decode_io = self.decode_ios[0]
+        self.memory = FakeMemory(self.io.layout)
         for decode_io in self.decode_ios:
             self.io.link(decode_io)
         self.replies = Replies()
@@ -123,11 +127,13 @@ class Rig:
                 tp_size=tp_size,
                 rank=rank,
                 total_kv_heads=total_kv_heads,
+                verify=verify,
             ),
             self.replies,
             self.tracer,
             self.counters,
             FaultSource(fault_file),
+            self.memory,
         )
         self.finished: set[str] = set()
         self._probes = 0
@@ -252,7 +258,7 @@ class Rig:
         last heard from each)."""
         pipeline = self.writer._pipeline
         held = leftovers(pipeline)
-        for name in ("_matcher", "_writes", "_preempt_waits", "_streams", "_to_post"):
+        for name in ("_matcher", "_writes", "_streams", "_to_post"):
             if len(getattr(pipeline, name)):
                 held[name] = len(getattr(pipeline, name))
         return held

@@ -3,8 +3,9 @@ as a completed transfer, and never wedges: issue 9's defects, each as the
 sequence that exposed it. Every test ends with nothing held (``Rig.close``).
 
 * preemption after the trigger (item 1): a WRITE not yet posted is never
-  posted; one in flight is let finish before ``preempt`` returns; one that
-  does not end in time makes ``preempt`` refuse (it is never cancelled);
+  posted; ``preempt`` returns at once, and one in flight is let finish (it
+  is never cancelled): the request is reported finished (its blocks
+  unpinned) only once that WRITE ended;
 * NIXL errors (item 3): ``ERR`` keeps the blocks until NIXL released the
   handle; a raising ``state`` or ``release`` never stops the loop;
 * duplicate transfer ids (item 4);
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 from kvpush.transfer.messages import Cause, Done, Failure, HelloRequest
-from tests.fakes.fake_nixl import wait_for
+from tests.fakes.fake_nixl import WriteRecord, wait_for
 from tests.unit.test_connector_writer import DECODE_ROUTE, Rig
 
 FOREVER = ("PROC",) * 1_000_000 + ("DONE",)
@@ -29,6 +31,13 @@ FOREVER = ("PROC",) * 1_000_000 + ("DONE",)
 
 def failures(rig: Rig) -> list[Failure]:
     return rig.replies_to(DECODE_ROUTE, Failure)  # type: ignore[return-value]
+
+
+def end_write(rig: Rig, write: WriteRecord, state: str = "DONE") -> None:
+    """A WRITE scripted to run for ever (:data:`FOREVER`) ends at its next
+    poll, as ``state`` says."""
+    with rig.io._lock:
+        write.states = deque([state])
 
 
 # -- item 1: preemption --------------------------------------------------------
@@ -41,7 +50,7 @@ def test_preemption_before_the_write_closes_the_transfer_unwritten():
         rig.ready()
         rig.sync()
 
-        assert rig.writer.preempt({"t1"}, timeout_s=2.0)
+        rig.writer.preempt({"t1"})
 
         assert wait_for(lambda: failures(rig))
         assert failures(rig)[0].cause is Cause.PREEMPTED
@@ -60,7 +69,7 @@ def test_preemption_of_kv_waiting_for_its_registration_refuses_it_later():
         rig.hello()
         rig.ready()
         rig.sync()
-        assert rig.writer.preempt({"t1"}, timeout_s=2.0)
+        rig.writer.preempt({"t1"})
         assert rig.wait_finished("req-1")
 
         rig.register()  # arrives after the preemption
@@ -72,37 +81,52 @@ def test_preemption_of_kv_waiting_for_its_registration_refuses_it_later():
         rig.close()
 
 
-def test_preemption_waits_for_a_write_in_flight_to_end():
+def test_preemption_does_not_wait_for_a_write_in_flight_nor_free_its_blocks():
+    """The review's hang: ``preempt`` used to wait for the WRITE (and the
+    worker then raised, stopping the engine). It returns at once now; the
+    WRITE runs on, uncancelled, and the request comes out of
+    ``take_finished`` (its pins go) only once that WRITE ended."""
     rig = Rig()
     try:
-        rig.io.script_polls(*["PROC"] * 100, "DONE")
+        rig.io.script_polls(*FOREVER)  # ends when the test says so
         rig.hello()
         rig.register()
         rig.ready()
         assert wait_for(lambda: rig.io.writes_snapshot())
 
-        assert rig.writer.preempt({"t1"}, timeout_s=5.0)
+        rig.writer.preempt({"t1"})  # returns, with the WRITE in flight
+        rig.sync()  # the writer handled the preemption
 
         (write,) = rig.io.writes_snapshot()
-        assert write.done and write.released, "returned only once it ended"
-        assert rig.decode_io.notifications() == [write.notif], "intact: its Done"
+        assert not write.done and not write.released and not write.cancelled
+        assert rig.writer.take_finished() == set(), "a WRITE reads the blocks"
+        assert rig.writer._pipeline._writes.has("t1")
+        end_write(rig, write)
         assert rig.wait_finished("req-1")
+        assert write.done and write.released and not write.cancelled
+        assert rig.decode_io.notifications() == [write.notif], "intact: its Done"
     finally:
         rig.close()
 
 
-def test_preemption_refuses_while_the_write_has_not_ended():
+def test_a_preempted_write_that_fails_also_frees_its_blocks_only_at_its_end():
     rig = Rig()
-    rig.writer._pipeline._writes._timeout_s = 0.05
     try:
-        rig.io.script_polls(*["PROC"] * 4000, "DONE")  # ends after seconds
+        rig.io.script_polls(*FOREVER)
         rig.hello()
         rig.register()
         rig.ready()
         assert wait_for(lambda: rig.io.writes_snapshot())
+        rig.writer.preempt({"t1"})
+        rig.sync()
+        assert rig.writer.take_finished() == set()
 
-        assert not rig.writer.preempt({"t1"}, timeout_s=0.3)
-        assert rig.wait_finished("req-1", timeout_s=20.0)  # freed when it ends
+        (write,) = rig.io.writes_snapshot()
+        end_write(rig, write, "ERR")
+
+        assert rig.wait_finished("req-1")
+        assert write.released and not write.cancelled
+        assert wait_for(lambda: failures(rig))
     finally:
         rig.close()
 

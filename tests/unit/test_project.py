@@ -13,11 +13,11 @@ import pytest
 
 from kvpush.cli import main
 from kvpush.model.kv_size import kv_bytes_per_token
-from kvpush.project.compare import CLAIMS, compare
-from kvpush.project.estimate import CONFIGS, SCENARIOS, Scenario, derive, project
-from kvpush.project.inputs import PARAMS, Inputs, default_inputs
-from kvpush.project.report import LABEL, assumptions, to_json
-from kvpush.project.shape import BUILTIN_CONFIGS, ModelShape, load_shape
+from kvpush_lab.project.compare import CLAIMS, compare
+from kvpush_lab.project.estimate import CONFIGS, SCENARIOS, Scenario, derive, project
+from kvpush_lab.project.inputs import PARAMS, Inputs, default_inputs
+from kvpush_lab.project.report import LABEL, assumptions, to_json
+from kvpush_lab.project.shape import BUILTIN_CONFIGS, ModelShape, load_shape
 
 
 def test_kv_bytes_per_token_of_both_published_models() -> None:

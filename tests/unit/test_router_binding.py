@@ -55,6 +55,21 @@ def test_a_forced_binding_ignores_the_prompt(policy: str) -> None:
     assert decision == BindingDecision(policy, "forced")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("policy", ["auto", "early", "late", "skip"])
+def test_a_request_asking_for_prompt_logprobs_always_skips(policy: str) -> None:
+    decision = decide(
+        policy,  # type: ignore[arg-type]
+        num_prompt_tokens=5000,
+        num_held_tokens=0,
+        block_size=128,
+        skip_max_new_tokens=256,
+        has_prefill=True,
+        prompt_logprobs=True,
+    )
+    assert decision == BindingDecision("skip", "prompt_logprobs")
+    assert not decision.has_prefill_leg
+
+
 def test_decode_always_computes_at_least_the_last_prompt_token() -> None:
     assert num_new_tokens(512, 512) == 1
     assert num_new_tokens(512, 9999) == 1

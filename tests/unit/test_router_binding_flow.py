@@ -203,6 +203,43 @@ async def test_auto_binds_late_when_every_decode_is_busy() -> None:
     assert _binding_count(metrics, "early", "new_tokens") == 1
 
 
+CHAT = {"model": "m", "messages": [{"role": "user", "content": LONG_PROMPT}]}
+PROMPT_LOGPROBS = [  # vLLM 0.32 computes prompt logprobs: it loads no KV
+    ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}),
+    ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 2}),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 0}),
+    ("/v1/chat/completions", {**CHAT, "echo": True}),  # top_logprobs 0
+]
+
+
+@pytest.mark.parametrize("binding", ["early", "late", "auto"])
+@pytest.mark.parametrize(("path", "body"), PROMPT_LOGPROBS)
+async def test_a_request_asking_for_prompt_logprobs_is_served_without_pd_legs(
+    binding: str, path: str, body: dict[str, Any]
+) -> None:
+    """vLLM would skip the pushed KV on decode (``skip_reading_prefix_cache``)
+    while prefill computed and held it: decode alone serves it, as a plain
+    request, whatever the binding policy, and the decision is counted."""
+    async with routed("kvpush", routing=_routing(binding)) as r:
+        _tokenizing(r)
+        reply = await r.post(path, body)
+        assert reply.status == 200, reply.body
+        metrics = (await r.get("/metrics")).body.decode()
+    assert reply.headers["x-kvpush-binding"] == "skip"
+    assert r.cluster.prefills[0].received == [], "no prefill leg"
+    (served,) = r.cluster.decodes[0].received
+    assert served.body == body, "the client's body, no kv_transfer_params"
+    assert r.cluster.decodes[0].tokenized == [], "no prompt count needed"
+    assert _binding_count(metrics, "skip", "prompt_logprobs") == 1
+
+
+async def test_echo_without_logprobs_on_completions_keeps_its_pd_legs() -> None:
+    async with routed("kvpush", routing=_routing("early")) as r:
+        reply = await _post(r, {**COMPLETION, "echo": True, "logprobs": None})
+        assert reply.headers["x-kvpush-binding"] == "early"
+        assert len(r.cluster.prefills[0].received) == 1
+
+
 async def test_a_late_prefill_that_fails_reaches_no_decode() -> None:
     async with routed("kvpush", num_decodes=2, routing=_routing("late")) as r:
         r.cluster.prefills[0].fault = Fault(status=500)

@@ -177,6 +177,32 @@ def test_leg_bodies_follow_the_vllm_contract() -> None:
     assert parsed.body == msgspec.json.decode(raw)  # leg bodies never touch it
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "wants"),
+    [
+        ("completions", {}, False),
+        ("completions", {"prompt_logprobs": 0}, True),
+        ("completions", {"prompt_logprobs": None}, False),
+        ("completions", {"echo": True}, False),  # logprobs null: none
+        ("completions", {"echo": True, "logprobs": 0}, True),
+        ("completions", {"echo": "false", "logprobs": 3}, False),
+        ("completions", {"echo": "true", "logprobs": 3}, True),
+        ("chat", {"echo": True}, True),  # top_logprobs defaults to 0
+        ("chat", {"echo": False, "logprobs": True, "top_logprobs": 2}, False),
+        ("chat", {"prompt_logprobs": -1}, True),
+    ],
+)
+def test_requests_vllm_computes_prompt_logprobs_for_are_recognised(
+    endpoint: str, fields: dict[str, object], wants: bool
+) -> None:
+    """As vLLM 0.32's ``to_sampling_params``: these set ``prompt_logprobs``,
+    and with it ``skip_reading_prefix_cache`` (no KV load on decode)."""
+    body = {**(CHAT if endpoint == "chat" else COMPLETION), **fields}
+    raw = msgspec.json.encode(body)
+    parsed = parse_request(raw, endpoint, allow_n=True)  # type: ignore[arg-type]
+    assert parsed.wants_prompt_logprobs is wants
+
+
 # -- configuration ---------------------------------------------------------------
 
 
@@ -284,9 +310,16 @@ async def test_metrics_endpoint_counts_served_and_refused_requests() -> None:
     assert metric(text, "kvpush_router_handover_seconds_bucket", **pull, le="0.0") == 0
 
 
-async def test_health_is_ok_when_every_backend_is() -> None:
-    async with routed("vllm-push", num_decodes=2) as r:
+async def test_health_is_liveness_ok_while_the_router_serves() -> None:
+    # a dead instance must not make a liveness probe restart the router
+    async with routed("vllm-pull", url_overrides={"prefill0": dead_url()}) as r:
         reply = await r.get("/health")
+    assert reply.status == 200 and reply.json()["status"] == "ok"
+
+
+async def test_ready_is_ok_when_every_backend_is() -> None:
+    async with routed("vllm-push", num_decodes=2) as r:
+        reply = await r.get("/ready")
     body = reply.json()
     assert reply.status == 200 and body["status"] == "ok"
     assert sorted(b["engine_id"] for b in body["backends"]) == [
@@ -296,12 +329,19 @@ async def test_health_is_ok_when_every_backend_is() -> None:
     ]
 
 
-async def test_health_is_503_naming_sick_and_dead_backends() -> None:
+async def test_ready_is_200_degraded_while_every_role_is_served() -> None:
+    async with routed("vllm-pull", num_decodes=2) as r:
+        r.cluster.decodes[0].health_status = 500
+        reply = await r.get("/ready")
+    assert reply.status == 200 and reply.json()["status"] == "degraded"
+
+
+async def test_ready_is_503_naming_sick_and_dead_backends() -> None:
     async with routed("vllm-pull", url_overrides={"prefill0": dead_url()}) as r:
         r.cluster.decodes[0].health_status = 500
-        reply = await r.get("/health")
+        reply = await r.get("/ready")
     body = reply.json()
-    assert reply.status == 503 and body["status"] == "degraded"
+    assert reply.status == 503 and body["status"] == "unavailable"
     by_id = {b["engine_id"]: b for b in body["backends"]}
     assert by_id["decode0"]["status"] == 500 and not by_id["decode0"]["healthy"]
     assert by_id["prefill0"]["status"] is None and by_id["prefill0"]["error"]

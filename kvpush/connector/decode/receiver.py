@@ -41,6 +41,19 @@ asks each source still awaited for its final word at once (a Cancel), but
 it still waits for those words. vLLM counts a request's receive finished
 only once every decode rank reported it, and unions their load errors, so
 the request's blocks go back only when every rank's receive is over.
+
+KV digests (:mod:`kvpush.transfer.digest`): for a transfer the policy
+selects, a rank's Done is not yet its final word. It carries the digest
+of what that rank wrote here; the receive waits (the rank still awaited)
+while the worker hashes the same bytes of its own memory
+(:meth:`Receiver.take_checks`, off the engine thread), and
+:meth:`Receiver.checked` makes it final: a match as a Done, a mismatch as a
+failure of that rank (``digest_mismatch``), which fails the receive
+through the one failure path above (load errors: vLLM recomputes the
+prompt, or errors, by its policy; never serves or caches that KV). A
+selected Done that carries no digest (a prefill not verifying, or the
+Done said again in answer to a Reconcile) is counted ``digest_missing``
+and taken as a Done.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ from dataclasses import dataclass, field
 
 from kvpush.connector.counters import Counters
 from kvpush.connector.metadata import RecvExpect
+from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy
 from kvpush.transfer.ledger import Hold, Ledger
 from kvpush.transfer.messages import Cause
 from kvpush.transfer.ranks import TpPair, side_channel_port
@@ -80,6 +94,8 @@ class _Receive:
     aborted: bool = False
     cause: Cause | None = None  # the first failure heard: it ends failed
     asked: bool = False  # a Cancel went to the ranks awaited
+    # awaited ranks whose Done landed, its digest being checked
+    checking: set[int] = field(default_factory=set)
 
     def address(self, rank: int) -> Address:
         port = side_channel_port(self.expect.prefill_port, rank)
@@ -107,6 +123,16 @@ class Ask:
     reason: str
 
 
+@dataclass(frozen=True)
+class Check:
+    """Hash what prefill rank ``rank`` wrote here for ``expect`` and
+    compare with ``digest`` (its Done's); answer with :meth:`Receiver.checked`."""
+
+    expect: RecvExpect
+    rank: int
+    digest: bytes
+
+
 @dataclass
 class Results:
     """What the worker reports to vLLM this step."""
@@ -120,6 +146,7 @@ class _Early:
     until: float
     rank: int  # the prefill rank that said it
     cause: Cause | None  # None: a Done
+    digest: bytes | None = None  # a Done's
 
 
 class Receiver:
@@ -132,8 +159,10 @@ class Receiver:
         rank: int = 0,
         tp_size: int = 1,
         total_kv_heads: int = 0,
+        verify: VerifyPolicy = VERIFY_OFF,
     ) -> None:
         self._ttl_s = ttl_s
+        self._verify = verify
         self._counters = counters
         self._rank, self._tp_size = rank, tp_size  # this decode worker's
         self._total_kv_heads = total_kv_heads  # the model's (0: not known)
@@ -142,6 +171,7 @@ class Receiver:
         self._early: dict[str, list[_Early]] = {}  # words before their expect
         self._results = Results()
         self._asks: list[Ask] = []
+        self._checks: list[Check] = []
 
     def sources(self, expect: RecvExpect) -> tuple[Address, ...]:
         """Side channels of the prefill ranks this rank receives
@@ -183,7 +213,7 @@ class Receiver:
             self._counters.add("ledger_conflict")
         for early in self._early.pop(tid, []):
             if tid in self._pending:
-                self._final(tid, early.rank, early.cause)
+                self._final(tid, early.rank, early.cause, early.digest)
 
     def abort(self, transfer_id: str) -> None:
         """vLLM finished the request while its KV was on the way: ask every
@@ -195,10 +225,43 @@ class Receiver:
         self._counters.add("aborted.receiving")
         self._ask(entry, "request aborted while its KV was on the way")
 
-    def done(self, transfer_id: str, rank: int, now: float) -> None:
+    def done(
+        self, transfer_id: str, rank: int, now: float, digest: bytes | None = None
+    ) -> None:
         """Prefill rank ``rank``'s Done arrived (its WRITE's NIXL
-        notification, or its answer to a Reconcile): its KV landed (final)."""
-        self._word(transfer_id, rank, None, now)
+        notification, or its answer to a Reconcile): its KV landed (final,
+        or once its ``digest`` checked, for a transfer the policy selects)."""
+        self._word(transfer_id, rank, None, now, digest)
+
+    def checked(self, transfer_id: str, rank: int, intact: bool) -> None:
+        """The digest of prefill rank ``rank``'s Done was checked (a
+        :class:`Check`): the KV landed ``intact``, or it did not, which
+        fails the receive. Ignored when that rank's word is no longer
+        awaited (the receive ended, or the rank was proven gone meanwhile)."""
+        entry = self._pending.get(transfer_id)
+        if entry is None or rank not in entry.checking:
+            return
+        entry.checking.discard(rank)
+        if rank not in entry.awaiting:
+            return
+        if intact:
+            self._counters.add("digest_verified")
+            self._final(transfer_id, rank, None, checked=True)
+            return
+        self._counters.add("digest_mismatch")
+        logger.error(
+            "kvpush: the KV of %s from prefill rank %d landed corrupted (digest "
+            "mismatch on decode rank %d); the request will not use it",
+            transfer_id,
+            rank,
+            self._rank,
+        )
+        self._final(transfer_id, rank, Cause.DIGEST_MISMATCH)
+
+    def take_checks(self) -> list[Check]:
+        """The digests to check since the last call (worker's main thread)."""
+        checks, self._checks = self._checks, []
+        return checks
 
     def failed(self, transfer_id: str, cause: Cause, rank: int, now: float) -> None:
         """Prefill rank ``rank``'s Failure, or decode's own about that rank
@@ -283,13 +346,20 @@ class Receiver:
         asks, self._asks = self._asks, []
         return asks
 
-    def _word(self, tid: str, rank: int, cause: Cause | None, now: float) -> None:
+    def _word(
+        self,
+        tid: str,
+        rank: int,
+        cause: Cause | None,
+        now: float,
+        digest: bytes | None = None,
+    ) -> None:
         if tid in self._pending:
-            self._final(tid, rank, cause)
+            self._final(tid, rank, cause, digest)
             return
         words = self._early.setdefault(tid, [])
         if all(w.rank != rank for w in words):
-            words.append(_Early(now + EARLY_TTL_S, rank, cause))
+            words.append(_Early(now + EARLY_TTL_S, rank, cause, digest))
 
     def _proven(
         self, address: Address, applies: Callable[[str | None], bool], cause: Cause
@@ -301,12 +371,31 @@ class Receiver:
             if rank is not None and applies(entry.awaiting[rank]):
                 self._final(tid, rank, cause)
 
-    def _final(self, tid: str, rank: int, cause: Cause | None) -> None:
+    def _final(
+        self,
+        tid: str,
+        rank: int,
+        cause: Cause | None,
+        digest: bytes | None = None,
+        checked: bool = False,
+    ) -> None:
         """Prefill rank ``rank`` said its final word on ``tid`` (``cause``
-        None: a Done). A Failure from a rank this one does not receive from
-        only dooms the receive: its own sources must still answer."""
+        None: a Done, carrying ``digest``). A Failure from a rank this one
+        does not receive from only dooms the receive: its own sources must
+        still answer. A Done of a selected transfer is final only once its
+        digest checked (:meth:`checked`: ``checked``)."""
         entry = self._pending[tid]
+        to_check = cause is None and not checked and rank in entry.awaiting
+        if to_check and self._verify.selects(tid):
+            if rank in entry.checking:
+                return  # said again (e.g. to a Cancel): one check is enough
+            if digest is not None:
+                entry.checking.add(rank)
+                self._checks.append(Check(entry.expect, rank, digest))
+                return
+            self._counters.add("digest_missing")
         entry.awaiting.pop(rank, None)
+        entry.checking.discard(rank)
         if cause is not None and entry.cause is None:
             entry.cause = cause
         if not entry.awaiting:

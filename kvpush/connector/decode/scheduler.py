@@ -31,6 +31,15 @@ and the sibling computes the rest. The wait is bounded by the
 registration's ttl, after which the sibling computes the prompt itself. A
 sibling never registers, cancels, or holds blocks for kvpush.
 
+No external load: vLLM may load nothing external for a request after all.
+A request with ``prompt_logprobs`` (vLLM sets ``skip_reading_prefix_cache``
+for it) is asked ``get_num_new_matched_tokens`` but vLLM then drops the
+answer and calls ``update_state_after_alloc`` with 0 external tokens; other
+trims of vLLM's scheduler can also leave 0. Decode then gives the transfer
+up at once (``skipped.no_external_load``; a Cancel, so that prefill frees
+the pushed KV now rather than at its ready deadline) and the request is
+served locally; a sibling just stops waiting (the transfer is its first's).
+
 Abort: a request that vLLM finishes while its KV is on the way keeps its
 blocks (``request_finished`` returns True): the worker sends prefill a
 Cancel and reports the request once no WRITE can land any more (see
@@ -66,6 +75,9 @@ from kvpush.transfer.ranks import TpPair, side_channel_port
 
 logger = logging.getLogger(__name__)
 
+SKIPS_LOAD = "vLLM skips external loads for this request (prompt_logprobs)"
+NO_LOAD = "vLLM allocated the request with no external tokens"
+
 
 class DecodeScheduler:
     """Owns decode's scheduler-side state; single-threaded."""
@@ -99,6 +111,10 @@ class DecodeScheduler:
         if not isinstance(leg, DecodeLeg) or rid in self._closed:
             return 0, False
         first = self._legs.first_of(rid)
+        if getattr(request, "skip_reading_prefix_cache", False) is True:
+            # vLLM will zero whatever we claim (prompt_logprobs): say 0 now
+            self._no_external_load(rid, leg, first, SKIPS_LOAD)
+            return 0, False
         if first is not None:
             return self._sibling(rid, first, leg), False
         problem = self._tp_problem(leg)
@@ -153,13 +169,30 @@ class DecodeScheduler:
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        """Register the freshly allocated blocks with prefill now."""
+        """Register the freshly allocated blocks with prefill now; give the
+        transfer up if vLLM allocated them with no external tokens."""
         leg = self._legs.of(request)
-        if not isinstance(leg, DecodeLeg) or num_external_tokens <= 0:
+        rid = request.request_id
+        if not isinstance(leg, DecodeLeg) or rid in self._closed:
             return
-        if request.request_id in self._closed:
+        if num_external_tokens <= 0:  # vLLM loads nothing after all
+            self._no_external_load(rid, leg, self._legs.first_of(rid), NO_LOAD)
             return
         self._register(request, leg, list(blocks.get_block_ids()[0]))
+
+    def _no_external_load(
+        self, rid: str, leg: DecodeLeg, first: str | None, reason: str
+    ) -> None:
+        """vLLM computes the prompt itself: cancel the transfer now (a
+        sibling's is its first's: it only stops waiting)."""
+        self._local_hits.pop(rid, None)
+        self._sibling_until.pop(rid, None)
+        if first is not None:
+            self._closed.add(rid)  # vLLM's from here
+            return
+        self.counters.add("skipped.no_external_load")
+        logger.info("kvpush: serving %s locally: %s", rid, reason)
+        self._give_up(rid, leg, reason)
 
     def _register(self, request: Any, leg: DecodeLeg, block_ids: list[int]) -> None:
         rid, bs = request.request_id, self.config.block_size

@@ -20,6 +20,12 @@ Tensor parallelism: this is one decode worker rank, with its own agent
 metadata; each says Hello (naming its rank and TP size) only to the
 prefill ranks it receives from (:meth:`Receiver.sources`), and beats,
 cancels and reconciles with those only.
+
+KV digests (``verify_kv``): the Done of a selected transfer is checked
+before the receive counts as done, on the ``kvpush-verify`` thread
+(:mod:`kvpush.connector.decode.verify`); ``get_finished`` only hands the
+checks over and takes the verdicts, so the engine step never waits for a
+hash.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.decode.heartbeat import Heartbeats
 from kvpush.connector.decode.progress import Progress
 from kvpush.connector.decode.receiver import Receiver
+from kvpush.connector.decode.verify import Verifier
+from kvpush.connector.faults import FaultSource
+from kvpush.connector.kv_bytes import TensorBytes
 from kvpush.connector.metadata import DecodeMetadata
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.side_channel import Peers
@@ -91,7 +100,9 @@ class DecodeWorker:
             config.tp_rank,
             config.tp_size,
             config.total_kv_heads,
+            verify=config.verify,
         )
+        self._verifier: Verifier | None = None  # made with the agent
         self._heartbeats = Heartbeats(
             config.engine_id,
             config.boot_id,
@@ -105,6 +116,14 @@ class DecodeWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._io = open_agent(self.config, kv_caches)
         self._progress = Progress(self._io, self.counters)
+        self._verifier = Verifier(
+            self._io.layout,
+            TensorBytes(kv_caches, self._io.layout),
+            self.config.tp_rank,
+            self.config.tp_size,
+            self.config.total_kv_heads,
+            FaultSource(self.config.fault_file),
+        )
         self._hello = Hello(
             engine_id=self.config.engine_id,
             boot_id=self.config.boot_id,
@@ -179,8 +198,9 @@ class DecodeWorker:
                 continue
             if isinstance(msg, Done):
                 self.tracer.mark(msg.transfer_id, "notif_received")
-                self._receiver.done(msg.transfer_id, msg.rank, now)
+                self._receiver.done(msg.transfer_id, msg.rank, now, msg.digest)
         self._read_replies(now)
+        self._verify()
         self._receiver.expire(now)
         self._ask_final_words()
         self._heartbeats.set_targets(self._receiver.awaited())
@@ -198,7 +218,18 @@ class DecodeWorker:
             elif isinstance(msg, HelloReply):
                 self._hello_reply(address, msg)
             elif isinstance(msg, Done):  # a Reconcile's answer: the KV landed
-                self._receiver.done(msg.transfer_id, msg.rank, now)
+                self._receiver.done(msg.transfer_id, msg.rank, now, msg.digest)
+
+    def _verify(self) -> None:
+        """Hand the receiver's digest checks to the verifier and give it
+        the verdicts reached (a mismatch fails that receive)."""
+        checks = self._receiver.take_checks()
+        if self._verifier is None:  # unreachable: checks need a Done
+            return
+        for check in checks:
+            self._verifier.submit(check)
+        for tid, rank, intact in self._verifier.take():
+            self._receiver.checked(tid, rank, intact)
 
     def _hello_reply(self, address: Address, reply: HelloReply) -> None:
         old = self._prefill_boots.get(address)
@@ -272,6 +303,8 @@ class DecodeWorker:
 
     def close(self) -> None:
         self._heartbeats.close()
+        if self._verifier is not None:
+            self._verifier.close()
         stopped = self._progress is None or self._progress.close()
         self._peers.close()
         if self._io is not None and stopped:  # never under a running poll

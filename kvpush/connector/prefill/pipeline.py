@@ -23,6 +23,15 @@ one transfer may be to post and in flight at once. A transfer that must end (can
 preempted, expired, a WRITE failed, decode lost) posts nothing more and
 ends when its last item in flight ended (:meth:`Pipeline._end`).
 
+KV digests (``verify_kv``): the Done WRITE of a selected transfer carries,
+per decode rank, the digest of every byte the transfer writes to that
+rank (:mod:`kvpush.transfer.digest`), hashed here, on the writer thread,
+right before that WRITE is posted: every earlier WRITE of the transfer
+has ended by then, and its source blocks hold their final KV (written by
+completed forwards, pinned until the transfer ends). The hash releases
+the GIL (vLLM's forward goes on) but holds this thread: about 1.5 s per
+GiB on the dev machine, during which no other WRITE is posted or polled.
+
 Every way out frees prefill's blocks (the request id goes to ``finished``)
 and, unless the WRITE's own Done said it, tells decode with a
 :class:`Failure`, prefill's final word: sent only once no WRITE of the
@@ -44,19 +53,20 @@ from dataclasses import dataclass
 
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
+from kvpush.connector.kv_bytes import KvBytes
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.decode_peers import DecodePeers
 from kvpush.connector.prefill.endings import Endings
 from kvpush.connector.prefill.fence import LayerFences, ReadyFence
 from kvpush.connector.prefill.posting import Posting, ToPost
-from kvpush.connector.prefill.preempt_waits import PreemptWaits
 from kvpush.connector.prefill.reconcile import Reconciler
 from kvpush.connector.prefill.stream import Stream, Streams
 from kvpush.connector.prefill.tell import Teller
 from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
+from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy, digest, source_ranges
 from kvpush.transfer.heads import HeadSlice
-from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT
+from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout
 from kvpush.transfer.matcher import (
     Matched,
     Matcher,
@@ -98,6 +108,7 @@ class WriterConfig:
     rank: int = 0  # this worker's TP rank (its side channel: base port + rank)
     total_kv_heads: int = 0  # the model's, over every rank (0: not known)
     use_mla: bool = False  # MLA's latent cache: equal TP sizes only
+    verify: VerifyPolicy = VERIFY_OFF  # which transfers' Done carry a digest
 
     def __post_init__(self) -> None:
         if self.peer_timeout_s <= 0 or self.write_timeout_s <= 0:
@@ -126,8 +137,10 @@ class Pipeline:
         tracer: Tracer,
         counters: Counters,
         faults: FaultSource,
+        memory: KvBytes | None = None,
     ) -> None:
         self._io, self._engine_id, self._boot_id = io, config.engine_id, config.boot_id
+        self._verify, self._memory = config.verify, memory
         self._block_size = config.matcher.block_size
         self._reply, self._finished = reply, finished
         self._tracer, self._counters, self._faults = tracer, counters, faults
@@ -147,7 +160,6 @@ class Pipeline:
         self._reconciler = Reconciler(
             self._matcher, self._streams, self._tell, counters
         )
-        self._preempt_waits = PreemptWaits()
         self._endings = Endings(
             self._streams,
             self._to_post,
@@ -189,22 +201,16 @@ class Pipeline:
         self._streams.forget_orphan(tid)
         self._stop(tid, Cause.CANCELLED, "prefill cancelled the request", now)
 
-    def on_preempt(
-        self, tids: Iterable[str], done: Callable[[], None], now: float
-    ) -> None:
-        """vLLM preempted these transfers' prefill requests; their blocks are
-        about to be reused. A WRITE in flight is let finish (its source is
-        intact until ``done`` is called); anything not yet posted is closed
-        and never posted."""
-        waiting = set()
+    def on_preempt(self, tids: Iterable[str], now: float) -> None:
+        """vLLM preempted these transfers' prefill requests: anything not
+        yet posted is closed and never posted; a WRITE in flight is let
+        finish. Its source stays intact (the scheduler pins the blocks until
+        the request id goes to ``finished``, once no WRITE reads them)."""
         for tid in tids:
             self._streams.forget_orphan(tid)
-            if self._writes.has(tid):
-                waiting.add(tid)
-            else:
+            if not self._writes.has(tid):
                 self._counters.add("preempted.before_write")
             self._stop(tid, Cause.PREEMPTED, "prefill's request was preempted", now)
-        self._preempt_waits.add(waiting, done)
 
     def on_layer_saved(
         self, fences: LayerFences, layer: int, fence: ReadyFence
@@ -417,8 +423,9 @@ class Pipeline:
         num_posted, total, problem = 0, len(m.dst_block_ids), None
         try:
             for peer, head_slice in peers:
+                digest = self._digest(stream, write.notify, peer.layout, head_slice)
                 accepted = self._writes.post(
-                    write.items, peer, head_slice, tp.engine, now, total
+                    write.items, peer, head_slice, tp.engine, now, total, digest
                 )
                 num_posted += 1  # refused or not: in flight until released
                 if not accepted:
@@ -433,15 +440,25 @@ class Pipeline:
             return
         self._schedule(stream, now)  # the next layers, as they are written
 
+    def _digest(
+        self, stream: Stream, notify: bool, dst: KvLayout, head_slice: HeadSlice
+    ) -> bytes | None:
+        """The KV digest the Done to ``head_slice``'s decode rank carries
+        (None: not a Done WRITE, or a transfer the policy does not select)."""
+        if not notify or self._memory is None:
+            return None
+        if not self._verify.selects(stream.transfer_id):
+            return None
+        src, dst_ids = stream.whole()
+        ranges = source_ranges(src, dst_ids, self._io.layout, dst, head_slice)
+        return digest(ranges, self._memory.read)
+
     # -- phase 3: in flight ----------------------------------------------------
 
     def _poll(self, now: float) -> None:
         ended = self._writes.poll(now)
         for flight, outcome in ended:
             self._write_ended(flight, outcome, now)
-        idle = {f.transfer_id for f, _ in ended if not self._writes.has(f.transfer_id)}
-        if idle:
-            self._preempt_waits.ended(idle)
 
     def _write_ended(self, flight: InFlight, outcome: Outcome, now: float) -> None:
         tid, engine = flight.transfer_id, flight.engine_id

@@ -18,29 +18,54 @@ When the request finishes, vLLM keeps its blocks (``request_finished``
 returns True) until the worker reports the push over (done, failed or
 expired); one aborted between two chunks is also cancelled.
 
-Preemption: vLLM frees a preempted request's blocks at once and may hand
-them to another request in the same step. A preemption after the trigger
-is passed to the worker (:class:`PreemptedPush`), whose
-``handle_preemptions`` runs before the forward that could overwrite the
-blocks and returns only once no WRITE reads them; the transfer is closed
-(decode falls back to computing the prompt itself). vLLM recomputes the
-preempted request (``requires_kv_delivery``); that recompute does not push
-again: its transfer id is closed, and a second push under one id is exactly
-what the duplicate rule refuses. Its blocks are then vLLM's to free.
+Pins: every block handed to the worker in a trigger gets a reference of
+our own in vLLM's block pool (``touch``, at the trigger; the pool comes
+from ``bind_gpu_block_pool``), dropped (``free_blocks``, once) when every
+TP rank's writer said the request's push is over (:class:`PushesOver` in
+``kv_connector_worker_meta``, or ``finished_sending``, which vLLM reports
+only once every rank did). While pinned, a block is out of vLLM's free
+queue whoever else lets go of it: no forward can be handed it while a
+WRITE may read it.
+
+Preemption: vLLM frees a preempted request's blocks at once, in
+``schedule()``, and may hand them to another request in the same step; the
+pins keep the triggered ones (those a WRITE may read) allocated. A
+preemption after the trigger is passed to the worker
+(:class:`PreemptedPush`), whose ``handle_preemptions`` only closes the
+transfer (decode falls back to computing the prompt itself) and returns at
+once; a WRITE in flight runs to its end, and the pins go when it has.
+vLLM recomputes the preempted request (``requires_kv_delivery``); that
+recompute does not push again: its transfer id is closed, and a second push
+under one id is exactly what the duplicate rule refuses. Its new blocks are
+vLLM's alone. ``has_pending_block_frees`` asks vLLM to wait for pins that
+will come back instead of preempting (see there).
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.counters import Counters
 from kvpush.connector.legs import Legs
-from kvpush.connector.metadata import PreemptedPush, PrefillMetadata, PushTrigger
+from kvpush.connector.metadata import (
+    PreemptedPush,
+    PrefillMetadata,
+    PushesOver,
+    PushTrigger,
+)
+from kvpush.connector.prefill.pipeline import WRITE_TIMEOUT_S
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.messages import PrefillLeg
+
+# How long after its request let go of them (finished or preempted) pinned
+# blocks count as coming back soon, so that vLLM waits for them rather
+# than preempting: the WRITE timeout, past which a WRITE is late anyway.
+PENDING_FREE_S = WRITE_TIMEOUT_S
 
 
 @dataclass
@@ -54,20 +79,40 @@ class _Prefill:
     num_sent: int = 0  # prompt blocks handed to the worker
     final_sent: bool = False  # the last chunk went to the worker
     preempted: bool = False  # after the trigger: its push was closed
+    push_over: bool = False  # every rank's push ended: later chunks unpinned
+
+
+@dataclass
+class _Pin:
+    """Our references on one request's triggered blocks."""
+
+    block_ids: list[int] = field(default_factory=list)
+    ranks_over: set[int] = field(default_factory=set)  # pushes over on these
+    gone_at: float | None = None  # when vLLM finished or preempted the request
 
 
 class PrefillScheduler:
     """Owns prefill's scheduler-side state; single-threaded."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(
+        self, config: ConnectorConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
+        self._clock = clock
         self.tracer = Tracer(config.trace_dir, config.engine_id)
         self.counters = Counters()
         self._legs = Legs(self.counters)
         self._prefills: dict[str, _Prefill] = {}
         self._held: set[str] = set()  # requests whose blocks vLLM keeps for us
+        self._pins: dict[str, _Pin] = {}  # request id -> our block references
+        self._pool: Any = None  # vLLM's BlockPool (bind_block_pool)
         self._meta = PrefillMetadata()
         self._streamed = config.streams
+
+    def bind_block_pool(self, pool: Any) -> None:
+        """vLLM's GPU block pool (``bind_gpu_block_pool``, called once the
+        scheduler built its cache manager), where the pins are taken."""
+        self._pool = pool
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -98,6 +143,7 @@ class PrefillScheduler:
             if state is None or not state.triggered or state.preempted:
                 continue  # not triggered yet: it pushes from its new blocks
             state.preempted = True
+            self._let_go(rid)
             self.counters.add("preempted.after_trigger")
             self._meta.preempted.append(PreemptedPush(rid, state.leg.transfer_id))
 
@@ -141,11 +187,14 @@ class PrefillScheduler:
         if end <= start:
             return
         state.triggered, state.num_sent, state.final_sent = True, end, final
+        src_block_ids = tuple(state.block_ids[start:end])
+        if not state.push_over:  # else no rank writes it: dropped as an orphan
+            self._pin(state.request.request_id, src_block_ids)
         self._meta.triggers.append(
             PushTrigger(
                 req_id=state.request.request_id,
                 transfer_id=state.leg.transfer_id,
-                src_block_ids=tuple(state.block_ids[start:end]),
+                src_block_ids=src_block_ids,
                 num_tokens=state.request.num_prompt_tokens,
                 decode_engine_id=state.leg.decode_engine_id,
                 first_block=start,
@@ -160,6 +209,7 @@ class PrefillScheduler:
         leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
         self._legs.forget(rid)
         state = self._prefills.pop(rid, None)
+        self._let_go(rid)
         if not isinstance(leg, PrefillLeg):
             return False, None
         if state is None or not state.triggered:  # aborted before its KV was ready
@@ -176,16 +226,79 @@ class PrefillScheduler:
         return True, None
 
     def update_connector_output(
-        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+        self,
+        finished_sending: set[str] | None,
+        finished_recving: set[str] | None,
+        worker_meta: Any = None,
     ) -> None:
-        self._held.difference_update(finished_sending or ())
+        """vLLM reports a request in ``finished_sending`` only once every
+        rank did, and it then frees the request's blocks: our pins go too.
+        :class:`PushesOver` names the ranks done with a request (finished or
+        not, preempted included); its pins go once all of them are."""
+        for rid in finished_sending or ():
+            self._held.discard(rid)
+            self._unpin(rid)
+        if not isinstance(worker_meta, PushesOver):
+            return
+        for rid, ranks in worker_meta.over.items():
+            pin = self._pins.get(rid)
+            if pin is None:  # unpinned already, or nothing was pinned
+                continue
+            pin.ranks_over |= ranks
+            if len(pin.ranks_over) >= self.config.tp_size:
+                self._unpin(rid)
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while a push may still end (so that the
         worker's ``get_finished`` runs and releases the blocks)."""
-        return bool(self._held) or any(
-            s.triggered and not s.preempted for s in self._prefills.values()
+        return (
+            bool(self._held)
+            or bool(self._pins)
+            or any(s.triggered and not s.preempted for s in self._prefills.values())
         )
+
+    def has_pending_block_frees(self) -> bool:
+        """True while blocks pinned for a push will come back soon: their
+        request is finished or preempted (vLLM let go of them) less than
+        :data:`PENDING_FREE_S` ago. vLLM then waits for them instead of
+        preempting a running request (``allocate_slots`` loop).
+
+        This cannot stall vLLM for ever: each pin counts here for at most
+        :data:`PENDING_FREE_S` after its request let go, and the question is
+        asked again at every step; after that vLLM preempts as it would
+        without us (the pins still keep a WRITE's source intact, whatever
+        it preempts). Pins of running requests do not count: freeing them
+        would return nothing."""
+        now = self._clock()
+        return any(
+            p.gone_at is not None and now - p.gone_at < PENDING_FREE_S
+            for p in self._pins.values()
+        )
+
+    def _pin(self, rid: str, block_ids: tuple[int, ...]) -> None:
+        """Take our reference on ``block_ids`` (the request holds them too,
+        so ``touch`` never takes a block out of the free queue here)."""
+        pin = self._pins.setdefault(rid, _Pin())
+        pin.block_ids.extend(block_ids)
+        if self._pool is not None:
+            self._pool.touch([self._pool.blocks[b] for b in block_ids])
+
+    def _let_go(self, rid: str) -> None:
+        """vLLM finished or preempted ``rid``: from now on only our pins
+        hold its triggered blocks (and vLLM, for a request it keeps for us)."""
+        pin = self._pins.get(rid)
+        if pin is not None and pin.gone_at is None:
+            pin.gone_at = self._clock()
+
+    def _unpin(self, rid: str) -> None:
+        """Every rank's push of ``rid`` is over: drop our references, once;
+        chunks triggered later are not pinned (no rank writes them)."""
+        pin = self._pins.pop(rid, None)
+        state = self._prefills.get(rid)
+        if state is not None:
+            state.push_over = True
+        if pin is not None and self._pool is not None:
+            self._pool.free_blocks([self._pool.blocks[b] for b in pin.block_ids])
 
     def close(self) -> None:
         self.tracer.close()

@@ -211,6 +211,16 @@ class Stream:
                 self._num_unsent -= len(span.layers)
         self.in_flight += num_writes
 
+    def whole(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Every (source, destination) block pair this transfer writes:
+        the prompt's blocks from decode's ``first_block`` on (what a KV
+        digest covers; known once matched and the final chunk came)."""
+        if self.matched is None:
+            return (), ()
+        first = self.matched.registration.first_block
+        src = tuple(self._src[first : self._num_blocks])
+        return src, tuple(self.matched.dst_block_ids[: len(src)])
+
     def item_ended(self) -> None:
         self.in_flight -= 1
 

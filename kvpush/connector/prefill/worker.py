@@ -15,11 +15,14 @@ forward, with a :class:`LayerFences`, and each layer's
 the writer that layer may go, with a per-layer fence; ``wait_for_save``
 then covers every layer with the forward's fence. ``save_kv_layer`` only
 puts a small tuple on the writer's inbox, and does nothing at all in a
-step that computes no chunk pushed per layer. Before a forward that may reuse
-the blocks of preempted requests, ``handle_preemptions`` closes their
-pushes and waits until no WRITE reads those blocks. ``get_finished``
-reports each request whose push is over once vLLM has finished it too, so
-that vLLM frees its blocks only then.
+step that computes no chunk pushed per layer. ``handle_preemptions``
+closes the pushes of preempted requests and returns at once: a WRITE in
+flight runs to its end, its source kept allocated by the scheduler's pins
+(:mod:`kvpush.connector.prefill.scheduler`). ``get_finished`` reports each
+request whose push is over once vLLM has finished it too, so that vLLM
+frees its blocks only then; ``build_worker_meta`` tells the scheduler every
+request whose push is over on this rank (:class:`PushesOver`), finished or
+not, so that it drops its pins.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from kvpush.connector.agent import open_agent
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
+from kvpush.connector.kv_bytes import TensorBytes
 from kvpush.connector.kv_memory import layer_indices
-from kvpush.connector.metadata import PrefillMetadata, PushTrigger
+from kvpush.connector.metadata import PrefillMetadata, PushesOver, PushTrigger
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.fence import (
     ALL_LAYERS,
@@ -50,8 +54,6 @@ from kvpush.transfer.messages import Message
 
 logger = logging.getLogger(__name__)
 
-PREEMPT_SLACK_S = 5.0  # beyond the writer's WRITE timeout
-
 
 class PrefillWorker:
     """Owns prefill's worker-side state (main thread)."""
@@ -67,6 +69,7 @@ class PrefillWorker:
         self._triggered: set[str] = set()  # handed to the writer, not preempted
         self._finished_reqs: set[str] = set()  # of those, finished in vLLM
         self._pushed: set[str] = set()  # of those, push over; not yet reported
+        self._over: set[str] = set()  # push over, for the next PushesOver
         self._meta = PrefillMetadata()
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> our layer
         self._layers: LayerFences | None = None  # this forward's, if per layer
@@ -88,6 +91,7 @@ class PrefillWorker:
             rank=self.config.tp_rank,
             total_kv_heads=self.config.total_kv_heads,
             use_mla=self.config.use_mla,
+            verify=self.config.verify,
         )
         self._writer = Writer(
             self._io,
@@ -96,6 +100,7 @@ class PrefillWorker:
             self.tracer,
             self.counters,
             FaultSource(self.config.fault_file),
+            TensorBytes(kv_caches, self._io.layout),
         )
         self._listener = Listener(
             self.config.side_channel_host,
@@ -149,23 +154,17 @@ class PrefillWorker:
 
     def handle_preemptions(self, meta: PrefillMetadata) -> None:
         """Before the forward of the step whose schedule preempted requests:
-        return only once no WRITE reads their blocks. Raises (stopping this
-        engine, which decode sees as a lost prefill) rather than let the
-        forward overwrite blocks a WRITE may still read."""
+        close their pushes (nothing more of them is posted) and return at
+        once. A WRITE in flight runs to its end: its source blocks stay
+        allocated, pinned by the scheduler until this rank (and every
+        other) reports the push over in :meth:`build_worker_meta`."""
         if not meta.preempted or self._writer is None:
             return
         rids = {p.req_id for p in meta.preempted}
         self._triggered -= rids  # vLLM frees these; never report them
         self._pushed -= rids
         self._finished_reqs -= rids
-        tids = {p.transfer_id for p in meta.preempted}
-        timeout_s = self._writer.write_timeout_s + PREEMPT_SLACK_S
-        if not self._writer.preempt(tids, timeout_s):
-            raise RuntimeError(
-                f"kvpush: a WRITE still reads the blocks of preempted requests "
-                f"{sorted(rids)} after {timeout_s:.0f} s and NIXL would not "
-                "cancel it; stopping rather than let vLLM overwrite them"
-            )
+        self._writer.preempt({p.transfer_id for p in meta.preempted})
 
     def wait_for_save(self) -> None:
         """After the forward: push the KV this step's forward computed."""
@@ -209,12 +208,24 @@ class PrefillWorker:
         if self._writer is None:
             return set()
         self._finished_reqs |= finished_req_ids & self._triggered
-        self._pushed |= self._writer.take_finished() & self._triggered
+        ended = self._writer.take_finished()
+        self._over |= ended
+        self._pushed |= ended & self._triggered
         sending = self._pushed & self._finished_reqs
         self._pushed -= sending
         self._finished_reqs -= sending
         self._triggered -= sending
         return sending
+
+    def build_worker_meta(self) -> PushesOver | None:
+        """Right after :meth:`get_finished`: the requests whose push ended
+        on this rank since the last call (preempted ones included), for
+        the scheduler's pins; None if none."""
+        if not self._over:
+            return None
+        rank = frozenset({self.config.tp_rank})
+        over, self._over = self._over, set()
+        return PushesOver({rid: rank for rid in over})
 
     def close(self) -> None:
         """The writer first: it stops posting and its WRITEs end. Only then

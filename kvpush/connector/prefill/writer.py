@@ -3,9 +3,9 @@
 Other threads only put events on its inbox: the listener thread (Hello,
 Registration, Cancel, Heartbeat from decodes) and the worker's main thread
 (KV ready, prefill cancelled a request, vLLM preempted requests). The engine
-loop never waits on it, except in :meth:`Writer.preempt`, which vLLM calls
-before a forward that may overwrite a preempted request's blocks and which
-must not return while a WRITE still reads them. The state machine itself is
+loop never waits on it (a preempted request's blocks stay allocated while a
+WRITE reads them: the scheduler pins them until the request id comes out
+of :meth:`Writer.take_finished`). The state machine itself is
 :class:`~kvpush.connector.prefill.pipeline.Pipeline`; this module is its
 thread, inbox and clock.
 
@@ -25,11 +25,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
+from kvpush.connector.kv_bytes import KvBytes
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.fence import LayerFences, ReadyFence
 from kvpush.connector.prefill.pipeline import Pipeline, Ready, WriterConfig
@@ -52,14 +52,8 @@ class Kind(enum.Enum):
     READY = "ready"  # Ready from the worker's main thread
     LAYER = "layer"  # (LayerFences, layer, fence) from the worker's main thread
     CANCEL = "cancel"  # transfer id prefill gave up
-    PREEMPT = "preempt"  # _Preempt from the worker's main thread
+    PREEMPT = "preempt"  # transfer ids from the worker's main thread
     STOP = "stop"
-
-
-@dataclass(frozen=True)
-class _Preempt:
-    transfer_ids: frozenset[str]
-    done: threading.Event
 
 
 class Writer:
@@ -73,7 +67,10 @@ class Writer:
         tracer: Tracer,
         counters: Counters | None = None,
         faults: FaultSource | None = None,
+        memory: KvBytes | None = None,
     ) -> None:
+        """``memory``: this worker's KV bytes, which KV digests hash
+        (``config.verify``); None: no digests are sent."""
         self._tracer = tracer
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pipeline = Pipeline(
@@ -84,8 +81,8 @@ class Writer:
             tracer,
             counters or Counters(),
             faults or FaultSource(""),
+            memory,
         )
-        self.write_timeout_s = config.write_timeout_s
         self._inbox: queue.SimpleQueue[tuple[Kind, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -133,17 +130,13 @@ class Writer:
         """From the worker's main thread: prefill gave the request up."""
         self._inbox.put((Kind.CANCEL, transfer_id))
 
-    def preempt(self, transfer_ids: set[str], timeout_s: float) -> bool:
-        """From the worker's main thread, before a forward that may reuse the
-        blocks of preempted requests: close those transfers, and return once
-        no WRITE reads their blocks any more (one in flight is let finish:
-        its source is intact until we return). False if that did not happen
-        within ``timeout_s``; the caller must then not let the forward run."""
-        if not transfer_ids:
-            return True
-        done = threading.Event()
-        self._inbox.put((Kind.PREEMPT, _Preempt(frozenset(transfer_ids), done)))
-        return done.wait(timeout_s)
+    def preempt(self, transfer_ids: set[str]) -> None:
+        """From the worker's main thread, for requests vLLM preempted: close
+        those transfers (nothing more of them is posted) without waiting. A
+        WRITE in flight runs to its end; the request id comes out of
+        :meth:`take_finished` only once none reads its blocks."""
+        if transfer_ids:
+            self._inbox.put((Kind.PREEMPT, frozenset(transfer_ids)))
 
     def take_finished(self) -> set[str]:
         """Request ids whose push ended since the last call (main thread)."""
@@ -211,7 +204,7 @@ class Writer:
         elif kind is Kind.CANCEL:
             p.on_prefill_cancel(item, now)
         elif kind is Kind.PREEMPT:
-            p.on_preempt(item.transfer_ids, item.done.set, now)
+            p.on_preempt(item, now)
 
     @staticmethod
     def _guarded(step: Callable[..., None], *args: Any) -> None:

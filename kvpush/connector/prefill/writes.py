@@ -113,6 +113,7 @@ class Writes:
         engine: str,
         now: float,
         total: int,
+        digest: bytes | None = None,
     ) -> bool:
         """One WRITE of one transfer's ``items`` (block range x layer range
         pieces, each coalesced into runs; one piece on the whole or chunk
@@ -127,10 +128,12 @@ class Writes:
         giving it a handle: it is in flight all the same, already failed,
         and ends at a later :meth:`poll` once NIXL released the handle.
         Raises when no handle exists (a block outside either cache, layouts
-        whose heads differ, NIXL refusing the descriptors)."""
+        whose heads differ, NIXL refusing the descriptors). ``digest``: the
+        KV digest of everything this transfer writes to that rank, carried
+        by its Done (:mod:`kvpush.transfer.digest`)."""
         tid = items[-1].transfer_id
         notify = items[-1].notify
-        done = Done(tid, self._engine_id, total, rank=self._rank)
+        done = Done(tid, self._engine_id, total, rank=self._rank, digest=digest)
         layouts = (self._io.layout, peer.layout)
         srcs, dsts, num_runs, num_bytes = [], [], 0, 0
         for item in items:

@@ -1,0 +1,3 @@
+"""kvpush: push-mode KV-cache transfer for disaggregated vLLM serving."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""vLLM's own connectors, fixed just enough to be measured fairly on CPUs."""

@@ -1,0 +1,300 @@
+"""The connector's one frozen config, read from vLLM's kv-transfer config.
+
+The launcher sets these through ``kv_connector_extra_config``::
+
+    {"side_channel_host": "127.0.0.1", "side_channel_port": 5600,
+     "trace_dir": "RUN_DIR/traces",
+     # optional, defaults below:
+     "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
+     "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false,
+     "push_granularity": "auto", "layer_push_min_bytes": 2097152,
+     "verify_kv": "off", "verify_kv_sample": 0.01}
+
+``push_granularity`` (prefill): ``request`` pushes a prompt's KV once its
+last chunk is computed; ``chunk`` streams it, each prefill chunk's
+completed blocks as that chunk's forward ends; ``layer`` streams each
+chunk layer by layer, each layer's blocks as soon as its attention wrote
+them (``save_kv_layer``); ``auto`` streams and picks, per chunk, ``layer``
+where the chunk is large enough for the overlap to pay, ``chunk``
+otherwise (:meth:`ConnectorConfig.pushes_per_layer`).
+
+The rule, from measured quantities: pushing a chunk per layer costs one
+WRITE per layer instead of one per chunk, and each WRITE has a fixed cost
+``c`` whatever its size (kvpush's descriptors and NIXL's calls, post to
+DONE: about 0.13 ms here, against 0.06 ms for the bytes of a 1 MiB layer
+on the fastest path measured, in-process UCX at about 18 GB/s). It hides
+the chunk's transfer behind the chunk's own forward, one layer at a time,
+so it pays once a layer's bytes take at least as long on the wire as a
+WRITE's fixed cost: ``B_layer >= c x bandwidth``. ``layer_push_min_bytes``
+is that product (default 2 MiB: 0.13 ms x 18 GB/s, rounded up to a power
+of two), so ``auto`` goes per layer only where it pays even on that fast
+a path; on slower links it pays from fewer bytes (1 Gbit/s: ~15 kB), and
+the value may be lowered. ``B_layer`` is the chunk's blocks times one
+block of one layer (K and V).
+
+Per layer, vLLM must call ``save_kv_layer`` outside any captured CUDA
+graph: :meth:`KvPushConnector.requires_piecewise_for_cudagraph` says so
+for ``layer`` and ``auto`` (vLLM then runs FULL CUDA graphs as PIECEWISE).
+
+``verify_kv`` (both roles, the same on both: the launcher passes one
+value to every instance): KV digests (:mod:`kvpush.transfer.digest`).
+``off`` (the default), ``sample`` (the fraction ``verify_kv_sample`` of
+transfers, chosen from the transfer id, so both sides choose alike) or
+``all``. Prefill sends, with each selected transfer's Done, the digest of
+what it wrote; decode checks it against its memory before the receive
+counts as done, and fails the receive on a mismatch (vLLM recomputes, or
+errors, by ``kv_load_failure_policy``). Cost: both sides hash every byte
+of a selected transfer (SHA-256, about 1.5 s of CPU per GiB on the dev
+machine; decode on a thread of its own, prefill on its writer thread),
+which is why the default is off.
+
+The shared secret that authenticates side-channel messages comes from the
+environment (``KVPUSH_SIDE_CHANNEL_SECRET``), never from the command line,
+where other users of the machine could read it. A prefill whose side channel
+binds anything but loopback refuses to start without it unless
+``insecure_side_channel`` is true (:mod:`kvpush.side_channel_auth`).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth
+from kvpush.transfer import ranks
+from kvpush.transfer.digest import (
+    DEFAULT_VERIFY_KV,
+    DEFAULT_VERIFY_SAMPLE,
+    VerifyPolicy,
+    check_verify_kv,
+)
+
+ConnectorRole = Literal["prefill", "decode"]
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+# NIXL transport plugins kvpush may be configured with: UCX (the default,
+# tested here) and LIBFABRIC (what AWS EFA users run).
+NIXL_BACKENDS: tuple[str, ...] = ("UCX", "LIBFABRIC")
+_DURATIONS = ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s")
+PUSH_GRANULARITIES: tuple[str, ...] = ("auto", "request", "chunk", "layer")
+DEFAULT_PUSH_GRANULARITY = "auto"
+PER_LAYER_GRANULARITIES: tuple[str, ...] = ("auto", "layer")  # may push per layer
+DEFAULT_LAYER_PUSH_MIN_BYTES = 2 * 1024 * 1024  # see the module docstring
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What one instance's connector needs to know about itself."""
+
+    role: ConnectorRole
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    block_size: int
+    trace_dir: str = ""
+    boot_id: str = "0"  # this start of the instance; shared by its processes
+    registration_ttl_s: float = 60.0  # decode keeps destination blocks this long
+    ready_ttl_s: float = 30.0  # prefill keeps finished KV this long unmatched
+    # Prefill: a decode silent this long with registered transfers is dead.
+    # Decode: a prefill not connected this long while awaited is dead.
+    peer_timeout_s: float = 10.0
+    heartbeat_s: float = 1.0  # decode's heartbeat period to awaited prefills
+    fault_file: str = ""  # tests only: see kvpush.connector.faults
+    secret: bytes = b""  # side-channel authentication key; empty: off
+    num_blocks: int = 0  # KV-cache blocks per layer (vLLM's); 0: read the tensors
+    cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
+    nixl_backend: str = "UCX"  # NIXL transport plugin, one of NIXL_BACKENDS
+    insecure_side_channel: bool = False  # allow no secret off loopback
+    push_granularity: str = DEFAULT_PUSH_GRANULARITY  # one of PUSH_GRANULARITIES
+    # auto: a chunk whose KV per layer is at least this many bytes goes per layer
+    layer_push_min_bytes: int = DEFAULT_LAYER_PUSH_MIN_BYTES
+    # --tensor-parallel-size, and this worker's rank (0 in EngineCore)
+    tp_size: int = 1
+    tp_rank: int = 0
+    # the model's KV heads over every rank (0: unknown: equal TP sizes only),
+    # and whether its cache is MLA's latent one (replicated on every rank)
+    total_kv_heads: int = 0
+    use_mla: bool = False
+    # KV digests: off | sample | all, and the fraction sample verifies
+    verify_kv: str = DEFAULT_VERIFY_KV
+    verify_kv_sample: float = DEFAULT_VERIFY_SAMPLE
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ValueError("kv-transfer-config needs a non-empty engine_id")
+        check_nixl_backend(self.nixl_backend)
+        check_push_granularity(self.push_granularity)
+        try:
+            check_verify_kv(self.verify_kv, self.verify_kv_sample)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config.{e}") from None
+        if self.role == "prefill":  # its worker binds the listener here
+            check_side_channel_auth(
+                self.side_channel_host, bool(self.secret), self.insecure_side_channel
+            )
+        if not 1 <= self.side_channel_port <= 65535 - self.tp_size + 1:
+            raise ValueError(
+                "kv_connector_extra_config.side_channel_port must be a port "
+                f"number (1..65535) with room for one port per TP rank "
+                f"({self.tp_size}), not {self.side_channel_port!r}"
+            )
+        if not 1 <= self.tp_size <= ranks.MAX_TP_SIZE:
+            raise ValueError(
+                f"--tensor-parallel-size must be in 1..{ranks.MAX_TP_SIZE} "
+                f"for kvpush, not {self.tp_size}"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"TP rank {self.tp_rank} outside TP size {self.tp_size}")
+        if self.total_kv_heads < 0:
+            raise ValueError(f"total_kv_heads must be >= 0, not {self.total_kv_heads}")
+        if self.layer_push_min_bytes < 1:
+            raise ValueError(
+                "kv_connector_extra_config.layer_push_min_bytes must be >= 1, "
+                f"not {self.layer_push_min_bytes!r}"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, not {self.block_size}")
+        for name in _DURATIONS:
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ValueError(
+                    f"kv_connector_extra_config.{name} must be in (0, 3600] "
+                    f"seconds, not {value!r}"
+                )
+        if self.registration_ttl_s <= 1.0:
+            raise ValueError(
+                "kv_connector_extra_config.registration_ttl_s must exceed 1 s "
+                "(prefill keeps a 1 s margin for the WRITE itself)"
+            )
+
+    @property
+    def verify(self) -> VerifyPolicy:
+        """Which transfers carry and check KV digests."""
+        return VerifyPolicy(self.verify_kv, self.verify_kv_sample)
+
+    @property
+    def streams(self) -> bool:
+        """Prefill pushes chunk by chunk (``chunk``, ``layer`` or ``auto``)."""
+        return self.push_granularity != "request"
+
+    @property
+    def may_push_per_layer(self) -> bool:
+        """Some chunks may go layer by layer (``layer``, ``auto``)."""
+        return self.push_granularity in PER_LAYER_GRANULARITIES
+
+    def pushes_per_layer(self, layer_bytes: int) -> bool:
+        """Whether a computed chunk holding ``layer_bytes`` of KV in each
+        layer is pushed per layer (the rule: see the module docstring)."""
+        if self.push_granularity == "layer":
+            return True
+        return self.push_granularity == "auto" and (
+            layer_bytes >= self.layer_push_min_bytes
+        )
+
+    @property
+    def agent_name(self) -> str:
+        """This worker's NIXL agent name, derived from the engine id and the
+        TP rank (:func:`kvpush.transfer.ranks.agent_name`)."""
+        return ranks.agent_name(self.engine_id, self.tp_rank)
+
+    @property
+    def listen_port(self) -> int:
+        """The side-channel port this prefill worker rank listens on:
+        ``side_channel_port`` + its TP rank (the instance's range is
+        ``side_channel_port .. side_channel_port + tp_size - 1``)."""
+        return ranks.side_channel_port(self.side_channel_port, self.tp_rank)
+
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 0
+    ) -> ConnectorConfig:
+        """Read the config of the instance vLLM is building (``tp_rank``:
+        the calling worker's tensor-parallel rank; 0 in EngineCore)."""
+        kv = vllm_config.kv_transfer_config
+        if kv.kv_role not in _ROLES:
+            raise ValueError(
+                f"KvPushConnector needs kv_role kv_producer (prefill) or "
+                f"kv_consumer (decode), not {kv.kv_role!r}"
+            )
+        extra = kv.kv_connector_extra_config or {}
+        durations = {k: float(extra[k]) for k in _DURATIONS if k in extra}
+        # vLLM makes instance_id once per start, in the config that both the
+        # scheduler and the worker processes receive: our boot id.
+        boot_id = str(getattr(vllm_config, "instance_id", "") or uuid.uuid4().hex)
+        try:
+            return cls(
+                role=_ROLES[kv.kv_role],  # type: ignore[arg-type]
+                engine_id=str(kv.engine_id or ""),
+                side_channel_host=str(extra.get("side_channel_host", "127.0.0.1")),
+                side_channel_port=int(extra.get("side_channel_port", 0)),
+                block_size=int(vllm_config.cache_config.block_size),
+                trace_dir=str(extra.get("trace_dir", "")),
+                boot_id=boot_id[:64],
+                fault_file=str(extra.get("fault_file", "")),
+                secret=os.environ.get(SECRET_ENV, "").encode(),
+                num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
+                cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
+                nixl_backend=str(extra.get("nixl_backend", "UCX")),
+                insecure_side_channel=extra.get("insecure_side_channel") is True,
+                push_granularity=granularity_of(extra),
+                layer_push_min_bytes=int(
+                    extra.get("layer_push_min_bytes", DEFAULT_LAYER_PUSH_MIN_BYTES)
+                ),
+                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+                tp_rank=tp_rank,
+                total_kv_heads=_total_kv_heads(vllm_config),
+                use_mla=_uses_mla(vllm_config),
+                verify_kv=str(extra.get("verify_kv", DEFAULT_VERIFY_KV)),
+                verify_kv_sample=_fraction(extra),
+                **durations,
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"bad KvPushConnector config: {e}") from e
+
+
+def _fraction(extra: dict[str, Any]) -> float:
+    """``verify_kv_sample`` of the extra config, as a number."""
+    value = extra.get("verify_kv_sample", DEFAULT_VERIFY_SAMPLE)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(
+            "kv_connector_extra_config.verify_kv_sample must be a number in "
+            f"(0, 1], not {value!r}"
+        )
+    return float(value)
+
+
+def _total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over every TP rank (vLLM's
+    ``ModelConfig.get_total_num_kv_heads``; 0 when the config has none)."""
+    model = getattr(vllm_config, "model_config", None)
+    total = getattr(model, "get_total_num_kv_heads", None)
+    return int(total()) if callable(total) else 0
+
+
+def _uses_mla(vllm_config: Any) -> bool:
+    """vLLM's ``ModelConfig.use_mla`` (False when the config has none)."""
+    return getattr(getattr(vllm_config, "model_config", None), "use_mla", 0) is True
+
+
+def check_nixl_backend(name: str) -> None:
+    """Raise ValueError unless ``name`` is a NIXL backend kvpush supports."""
+    if name not in NIXL_BACKENDS:
+        raise ValueError(
+            f"nixl_backend must be one of {', '.join(NIXL_BACKENDS)}, not {name!r}"
+        )
+
+
+def check_push_granularity(name: str) -> None:
+    """Raise ValueError unless kvpush can push at granularity ``name``."""
+    if name not in PUSH_GRANULARITIES:
+        raise ValueError(
+            f"push_granularity must be one of {', '.join(PUSH_GRANULARITIES)}, "
+            f"not {name!r}"
+        )
+
+
+def granularity_of(extra: dict[str, Any] | None) -> str:
+    """``push_granularity`` of a ``kv_connector_extra_config`` (the default
+    when it names none)."""
+    return str((extra or {}).get("push_granularity", DEFAULT_PUSH_GRANULARITY))

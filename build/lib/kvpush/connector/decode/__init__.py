@@ -1,0 +1,2 @@
+"""The decode side of KvPushConnector: registrations (scheduler), expected
+receives, Hellos and heartbeats (worker)."""

@@ -1,0 +1,309 @@
+"""Decode's scheduler side (vLLM's EngineCore process, its main thread;
+every method is called by vLLM's scheduler).
+
+A request whose leg is a :class:`DecodeLeg` claims the prompt tokens it does
+not hold in its own prefix cache as arriving from outside
+(``get_num_new_matched_tokens``); as soon as vLLM has allocated its blocks
+(``update_state_after_alloc``) the registration goes straight to the
+prefill's side channel, and the worker is told to expect the transfer.
+Prefill's answers to registrations come back on this socket: Failures and
+requests for a Hello are forwarded to the worker in the next step's
+metadata (this process never touches the receives themselves).
+
+Tensor parallelism: block ids are the same on every rank, so this one
+scheduler sends one Registration (and any Cancel of its own) to every
+prefill rank's side channel (``prefill_port + r``,
+:mod:`kvpush.transfer.ranks`), and its metadata reaches every decode worker
+rank: a Failure from any prefill rank reaches them all. A leg whose
+``prefill_tp`` this decode cannot pair with its own TP size is served
+locally (``rejected.incompatible``) before anything is sent.
+
+Siblings (``n > 1``): vLLM fans a request out into children with the same
+``kv_transfer_params``; one prefill pushes one transfer, and the children
+share it. The first child seen owns the transfer id and registers; a later
+one (a *sibling*, :meth:`~kvpush.connector.legs.Legs.first_of`) gets
+``None`` from ``get_num_new_matched_tokens`` while the first's receive is
+pending (vLLM skips it this step and asks again), and ``(0, False)`` once
+that receive ended, done or failed, or the first finished: vLLM's own
+prefix cache then serves what the first received (vLLM caches the blocks
+of an async load when it ends, before it looks at the waiting siblings),
+and the sibling computes the rest. The wait is bounded by the
+registration's ttl, after which the sibling computes the prompt itself. A
+sibling never registers, cancels, or holds blocks for kvpush.
+
+No external load: vLLM may load nothing external for a request after all.
+A request with ``prompt_logprobs`` (vLLM sets ``skip_reading_prefix_cache``
+for it) is asked ``get_num_new_matched_tokens`` but vLLM then drops the
+answer and calls ``update_state_after_alloc`` with 0 external tokens; other
+trims of vLLM's scheduler can also leave 0. Decode then gives the transfer
+up at once (``skipped.no_external_load``; a Cancel, so that prefill frees
+the pushed KV now rather than at its ready deadline) and the request is
+served locally; a sibling just stops waiting (the transfer is its first's).
+
+Abort: a request that vLLM finishes while its KV is on the way keeps its
+blocks (``request_finished`` returns True): the worker sends prefill a
+Cancel and reports the request once no WRITE can land any more (see
+:mod:`kvpush.connector.decode.receiver`). A request that ends before
+registering only tells prefill not to wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.counters import Counters
+from kvpush.connector.faults import FaultSource, outbound
+from kvpush.connector.legs import Legs
+from kvpush.connector.metadata import DecodeMetadata, RecvExpect
+from kvpush.connector.side_channel import Peers
+from kvpush.connector.trace import Tracer
+from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT
+from kvpush.transfer.messages import (
+    Cancel,
+    Cause,
+    DecodeLeg,
+    Failure,
+    HelloRequest,
+    Registration,
+)
+from kvpush.transfer.ranks import TpPair, side_channel_port
+
+logger = logging.getLogger(__name__)
+
+SKIPS_LOAD = "vLLM skips external loads for this request (prompt_logprobs)"
+NO_LOAD = "vLLM allocated the request with no external tokens"
+
+
+class DecodeScheduler:
+    """Owns decode's scheduler-side state; single-threaded."""
+
+    def __init__(
+        self, config: ConnectorConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self.tracer = Tracer(config.trace_dir, config.engine_id)
+        self.counters = Counters()
+        self._peers = Peers(config.secret)
+        self._send = outbound(self._peers, FaultSource(config.fault_file)).send
+        self._legs = Legs(self.counters, share_ids=True)
+        self._sibling_until: dict[str, float] = {}  # waiting sibling -> deadline
+        self._local_hits: dict[str, int] = {}  # req -> tokens in our prefix cache
+        self._closed: set[str] = set()  # registered, or gave the transfer up
+        self._receiving: dict[str, DecodeLeg] = {}  # registered, KV not in
+        self._awaiting_first_step: dict[str, str] = {}  # req -> transfer id
+        self._held: set[str] = set()  # aborted while receiving; vLLM keeps blocks
+        self._meta = DecodeMetadata()
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Every prompt token not in the local prefix cache will be pushed
+        (asynchronously). A full local hit cancels the transfer. A sibling
+        waits (None) while its first's receive is pending."""
+        leg = self._legs.of(request)
+        rid = request.request_id
+        if not isinstance(leg, DecodeLeg) or rid in self._closed:
+            return 0, False
+        first = self._legs.first_of(rid)
+        if getattr(request, "skip_reading_prefix_cache", False) is True:
+            # vLLM will zero whatever we claim (prompt_logprobs): say 0 now
+            self._no_external_load(rid, leg, first, SKIPS_LOAD)
+            return 0, False
+        if first is not None:
+            return self._sibling(rid, first, leg), False
+        problem = self._tp_problem(leg)
+        if problem is not None:
+            self.counters.add("rejected.incompatible")
+            logger.error("kvpush: serving %s locally: %s", rid, problem)
+            self._give_up(rid, leg, problem)
+            return 0, False
+        num_external = request.num_prompt_tokens - num_computed_tokens
+        if num_external <= 0:
+            self._give_up(rid, leg, "decode holds the whole prompt")
+            return 0, False
+        self._local_hits[rid] = num_computed_tokens
+        return num_external, True
+
+    def _tp_problem(self, leg: DecodeLeg) -> str | None:
+        """Why this decode's ranks cannot receive from the leg's prefill TP
+        size (:meth:`TpPair.problem`), or None."""
+        c = self.config
+        pair = TpPair(leg.prefill_tp, c.tp_size, c.total_kv_heads)
+        return pair.problem(REQUIRED_KV_CACHE_LAYOUT, c.use_mla)
+
+    def _sibling(self, rid: str, first: str, leg: DecodeLeg) -> int | None:
+        """None while ``first``'s receive is pending (within the wait's
+        deadline), else 0: the sibling goes on without kvpush."""
+        now = self._clock()
+        if self._is_receiving(first):
+            if rid not in self._sibling_until:
+                self.counters.add("sibling.wait")
+                logger.debug(
+                    "request %s waits for %s's receive of transfer %s",
+                    rid, first, leg.transfer_id,
+                )  # fmt: skip
+                self._sibling_until[rid] = now + self.config.registration_ttl_s
+            if now < self._sibling_until[rid]:
+                return None
+            self.counters.add("sibling.expired")
+            logger.debug("request %s stops waiting for %s", rid, first)
+        else:
+            self.counters.add("sibling.after_first")
+        self._sibling_until.pop(rid, None)
+        self._closed.add(rid)  # kvpush is done with it: vLLM's from here
+        return 0
+
+    def _is_receiving(self, rid: str) -> bool:
+        """``rid`` registered and its receive has not ended, or it is live
+        and has not yet registered (nor given up)."""
+        if rid in self._receiving:
+            return True
+        return self._legs.is_live(rid) and rid not in self._closed
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Register the freshly allocated blocks with prefill now; give the
+        transfer up if vLLM allocated them with no external tokens."""
+        leg = self._legs.of(request)
+        rid = request.request_id
+        if not isinstance(leg, DecodeLeg) or rid in self._closed:
+            return
+        if num_external_tokens <= 0:  # vLLM loads nothing after all
+            self._no_external_load(rid, leg, self._legs.first_of(rid), NO_LOAD)
+            return
+        self._register(request, leg, list(blocks.get_block_ids()[0]))
+
+    def _no_external_load(
+        self, rid: str, leg: DecodeLeg, first: str | None, reason: str
+    ) -> None:
+        """vLLM computes the prompt itself: cancel the transfer now (a
+        sibling's is its first's: it only stops waiting)."""
+        self._local_hits.pop(rid, None)
+        self._sibling_until.pop(rid, None)
+        if first is not None:
+            self._closed.add(rid)  # vLLM's from here
+            return
+        self.counters.add("skipped.no_external_load")
+        logger.info("kvpush: serving %s locally: %s", rid, reason)
+        self._give_up(rid, leg, reason)
+
+    def _register(self, request: Any, leg: DecodeLeg, block_ids: list[int]) -> None:
+        rid, bs = request.request_id, self.config.block_size
+        first = self._local_hits.pop(rid, 0) // bs
+        dst = tuple(block_ids[first : math.ceil(request.num_prompt_tokens / bs)])
+        reg = Registration(
+            transfer_id=leg.transfer_id,
+            decode_engine_id=self.config.engine_id,
+            decode_boot_id=self.config.boot_id,
+            dst_block_ids=dst,
+            num_tokens=request.num_prompt_tokens,
+            ttl_s=self.config.registration_ttl_s,
+            first_block=first,
+            claim_token=leg.claim_token,  # late binding: what lets us claim it
+            decode_tp=self.config.tp_size,  # which ranks each prefill rank writes
+        )
+        self._meta.expects.append(
+            RecvExpect(
+                req_id=rid,
+                transfer_id=leg.transfer_id,
+                dst_block_ids=dst,
+                prefill_engine_id=leg.prefill_engine_id,
+                prefill_host=leg.prefill_host,
+                prefill_port=leg.prefill_port,
+                prefill_tp=leg.prefill_tp,
+            )
+        )
+        for rank, port in _rank_ports(leg):
+            if not self._send(leg.prefill_host, port, reg):
+                self.counters.add("registration.not_sent")
+                failure = Failure(
+                    transfer_id=leg.transfer_id,
+                    engine_id=self.config.engine_id,
+                    cause=Cause.SEND_FAILED,
+                    detail="the registration could not be queued",
+                    rank=rank,
+                )
+                self._meta.failures.append(failure)  # that rank cannot write
+        self.tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst),
+                         request_id=rid)  # fmt: skip
+        self._closed.add(rid)
+        self._receiving[rid] = leg
+        self._awaiting_first_step[rid] = leg.transfer_id
+
+    def build_connector_meta(self, scheduler_output: Any) -> DecodeMetadata:
+        """This step's instructions for the worker; resets the accumulator."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for rid in [r for r in self._awaiting_first_step if r in num_scheduled]:
+            self.tracer.mark(self._awaiting_first_step.pop(rid), "first_decode_step")
+        self._forward_replies()
+        meta, self._meta = self._meta, DecodeMetadata()
+        return meta
+
+    def _forward_replies(self) -> None:
+        """Prefill's answers on this socket are the worker's to act on."""
+        for address, msg in self._peers.receive():
+            if isinstance(msg, Failure):
+                self._meta.failures.append(msg)
+            elif isinstance(msg, HelloRequest):
+                self._meta.hello_requests.append(address)
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """Keep a request's blocks while a WRITE into them may still land."""
+        rid = request.request_id
+        leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
+        is_sibling = self._legs.first_of(rid) is not None
+        self._legs.forget(rid)
+        self._local_hits.pop(rid, None)
+        self._awaiting_first_step.pop(rid, None)
+        self._sibling_until.pop(rid, None)
+        if is_sibling:  # the transfer is its first's: nothing to give up
+            self._closed.discard(rid)
+            return False, None
+        if isinstance(leg, DecodeLeg) and rid not in self._closed:
+            self.counters.add("aborted.before_registration")
+            self._give_up(rid, leg, "request finished before registering")
+        self._closed.discard(rid)
+        receiving = self._receiving.pop(rid, None)
+        if receiving is None:
+            return False, None
+        self._meta.recv_cancels.append(receiving.transfer_id)  # aborted
+        self._held.add(rid)
+        return True, None
+
+    def _give_up(self, rid: str, leg: DecodeLeg, reason: str) -> None:
+        """Tell prefill not to wait for a registration that will not come."""
+        cancel = Cancel(
+            transfer_id=leg.transfer_id, engine_id=self.config.engine_id, reason=reason
+        )
+        for _, port in _rank_ports(leg):
+            if not self._peers.send(leg.prefill_host, port, cancel):
+                self.counters.add("cancel.not_sent")  # its deadline covers it
+        self._closed.add(rid)
+
+    def update_connector_output(
+        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+    ) -> None:
+        self._held.difference_update(finished_recving or ())
+        for rid in finished_recving or ():
+            self._receiving.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while blocks of aborted receives are held
+        (so that the worker's ``get_finished`` runs and releases them)."""
+        return bool(self._held)
+
+    def close(self) -> None:
+        self._peers.close()
+        self.tracer.close()
+
+
+def _rank_ports(leg: DecodeLeg) -> list[tuple[int, int]]:
+    """(rank, side-channel port) of every rank of the leg's prefill."""
+    return [(r, side_channel_port(leg.prefill_port, r)) for r in range(leg.prefill_tp)]

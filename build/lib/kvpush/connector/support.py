@@ -1,0 +1,271 @@
+"""Refuse, at start-up, every vLLM configuration kvpush cannot copy correctly.
+
+kvpush copies a request's KV block for block: block ``b`` of every layer on
+the prefill is written over block ``b'`` of the same layer on the decode.
+That is only right when one block id names the same tokens in every layer,
+each block is one contiguous chunk laid out identically on both sides, and
+each worker rank's slice of it is copied by the same rank of the other side.
+:func:`check_supported` checks the settings that decide this;
+:func:`kvpush.connector.kv_memory.layout_of` checks the tensors themselves
+once vLLM has allocated them.
+
+Who calls it: the connector's constructor, in both roles: SCHEDULER in
+EngineCore (``kv_cache_config`` is the scheduler's copy of worker 0's config)
+and WORKER in each Worker (``kv_cache_config`` is that worker's own, passed
+before the KV cache is allocated). It reads its arguments and changes nothing.
+
+Accepted, and why the copy is right:
+
+- PP, DP, DCP and PCP all 1: each worker holds every layer and token of
+  its own KV heads.
+- Any TP size: every worker rank is a transfer endpoint
+  (:mod:`kvpush.transfer.ranks`). Equal TP sizes map rank ``r`` to rank
+  ``r``; different ones map head slices (:mod:`kvpush.transfer.heads`)
+  when the model's KV heads divide by both sizes (or both are multiples of
+  them), in this LBHNC layout, without MLA. Neither side can know the
+  other's TP size at start-up, so what remains unsupported is refused per
+  pair: a decode serves locally a leg whose ``prefill_tp`` it cannot map,
+  and prefill refuses a Hello (or Registration) it cannot map, or of
+  another head count, with the reason (``rejected.incompatible``; decode
+  falls back and counts ``receive_failed.incompatible``).
+- One KV-cache group whose spec is exactly ``FullAttentionSpec``: every layer
+  keeps every token, in the same block ids. Sliding-window or chunked layers
+  that vLLM allocates as full attention (hybrid manager off, the default for
+  a connector without ``SupportsHMA``) arrive as a ``FullAttentionSpec`` with
+  ``sliding_window`` set; their blocks are all allocated and written, so they
+  copy like full attention.
+- A cache dtype whose element size is known (:func:`kv_element_size`): the
+  model's own, float16, bfloat16, float32, or a per-tensor-scaled fp8 (one
+  byte; the scales are model constants, the same on both sides).
+- The ``LBHNC`` layout (:data:`REQUIRED_KV_CACHE_LAYOUT`, vLLM's "HND"): each
+  block is one contiguous ``[heads, tokens, K|V]`` chunk.
+
+Refused: anything else, with a message naming the setting and what to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from kvpush.transfer import layout
+
+# The one layout kvpush maps. vLLM asks the connector class for it
+# (``get_required_kvcache_layout``) and uses it when the backends allow.
+REQUIRED_KV_CACHE_LAYOUT = layout.REQUIRED_KV_CACHE_LAYOUT
+_LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
+
+# vLLM's --kv-cache-dtype strings that kvpush copies, by their element type
+# (fp8 caches are stored as one-byte elements with per-tensor scales).
+_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "fp8": torch.uint8,
+    "fp8_e4m3": torch.uint8,
+    "fp8_e5m2": torch.uint8,
+    "fp8_inc": torch.float8_e4m3fn,
+}
+_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class UnsupportedConfig(ValueError):
+    """A vLLM setting kvpush cannot serve correctly; the message says which
+    setting and what to change."""
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Raise :class:`UnsupportedConfig` listing every unsupported setting of
+    this instance, or return ``None`` when kvpush can serve it."""
+    problems = [
+        *_parallel_problems(vllm_config.parallel_config),
+        *_dtype_problems(vllm_config),
+        *_layout_problems(vllm_config.cache_config, kv_cache_config),
+        *_group_problems(vllm_config, kv_cache_config),
+    ]
+    if problems:
+        raise UnsupportedConfig(
+            "kvpush cannot serve this vLLM configuration:\n- " + "\n- ".join(problems)
+        )
+
+
+def kv_element_size(cache_dtype: str, model_dtype: torch.dtype) -> int:
+    """Bytes per element of a KV cache stored as ``--kv-cache-dtype
+    cache_dtype`` ("auto": the model's dtype); :class:`UnsupportedConfig` for
+    a format kvpush does not copy."""
+    return kv_storage_dtype(cache_dtype, model_dtype).itemsize
+
+
+def kv_storage_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype vLLM stores a ``cache_dtype`` KV cache in."""
+    if cache_dtype == "auto":
+        if model_dtype not in _MODEL_DTYPES:
+            raise UnsupportedConfig(
+                f"--dtype {model_dtype} with --kv-cache-dtype auto: kvpush copies "
+                "float16, bfloat16 and float32 caches; set --kv-cache-dtype"
+            )
+        return model_dtype
+    if cache_dtype in _CACHE_DTYPES:
+        return _CACHE_DTYPES[cache_dtype]
+    raise UnsupportedConfig(
+        f"--kv-cache-dtype {cache_dtype}: kvpush copies only caches of known "
+        f"element size ({', '.join(['auto', *_CACHE_DTYPES])}); packed or "
+        "per-token-scaled formats are not mapped. Use one of those."
+    )
+
+
+def _parallel_problems(parallel: Any) -> list[str]:
+    sizes = {
+        "PP": ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
+        "DP": ("--data-parallel-size", parallel.data_parallel_size),
+        "DCP": (
+            "--decode-context-parallel-size",
+            parallel.decode_context_parallel_size,
+        ),
+        "PCP": (
+            "--prefill-context-parallel-size",
+            parallel.prefill_context_parallel_size,
+        ),
+    }
+    problems = [
+        f"{flag} {size}: kvpush supports {name} 1 only until it is designed "
+        f"(each worker must hold every layer and token of its heads); run "
+        f"with {flag} 1"
+        for name, (flag, size) in sizes.items()
+        if size != 1
+    ]
+    # vLLM runs each data-parallel rank of a dense model as its own engine
+    # with data_parallel_size reset to 1; only the rank index is left.
+    if parallel.data_parallel_size == 1 and parallel.data_parallel_index != 0:
+        problems.append(
+            f"--data-parallel-size > 1 (this engine is data-parallel rank "
+            f"{parallel.data_parallel_index}): kvpush supports DP 1 only until it "
+            "is designed; run with --data-parallel-size 1"
+        )
+    return problems
+
+
+def _dtype_problems(vllm_config: Any) -> list[str]:
+    cache = vllm_config.cache_config
+    try:
+        kv_storage_dtype(cache.cache_dtype, vllm_config.model_config.dtype)
+    except UnsupportedConfig as e:
+        return [str(e)]
+    if cache.cache_dtype != "auto" and cache.kv_cache_dtype_skip_layers:
+        return [
+            f"--kv-cache-dtype-skip-layers {cache.kv_cache_dtype_skip_layers}: "
+            "kvpush needs every layer's cache in one dtype; drop that option"
+        ]
+    return []
+
+
+def _layout_problems(cache_config: Any, kv_cache_config: Any) -> list[str]:
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or (
+        cache_config.kv_cache_layout
+    )
+    if name is None:  # not resolved yet: layout_of checks the tensors
+        return []
+    if _LAYOUT_ALIASES.get(name, name) == REQUIRED_KV_CACHE_LAYOUT:
+        return []
+    return [
+        f"KV cache layout {name} (VLLM_KV_CACHE_LAYOUT or the attention "
+        f"backend's choice): kvpush maps {REQUIRED_KV_CACHE_LAYOUT} (HND) only, "
+        "where each block is one contiguous chunk; set "
+        f"VLLM_KV_CACHE_LAYOUT={REQUIRED_KV_CACHE_LAYOUT} with a backend that "
+        "supports it"
+    ]
+
+
+def _group_problems(vllm_config: Any, kv_cache_config: Any) -> list[str]:
+    if kv_cache_config is None:
+        return [
+            "vLLM passed the connector no kv_cache_config, so kvpush cannot check "
+            "the KV cache; use the vLLM version kvpush is built for"
+        ]
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
+        return [
+            f"{len(groups)} KV-cache groups ({kinds}): kvpush maps models whose "
+            "layers all share one group of full attention; hybrid models "
+            "(Mamba, mixed page sizes, separate draft layers) are not supported "
+            "yet, serve a model without them"
+        ]
+    group = groups[0]
+    problems = _spec_problems(group.kv_cache_spec, vllm_config)
+    if group.host_resident or not group.enable_kv_transfer:
+        problems.append(
+            "the KV-cache group is host-resident or excluded from KV transfer; "
+            "kvpush copies only a transferable device group"
+        )
+    return problems
+
+
+def _spec_problems(spec: Any, vllm_config: Any) -> list[str]:
+    kind = _refused_kind(spec)
+    if kind is not None:
+        return [f"{type(spec).__name__} layers: {kind}"]
+    cache_config = vllm_config.cache_config
+    problems = []
+    if spec.block_size != cache_config.block_size:
+        problems.append(
+            f"--block-size {cache_config.block_size} but the KV cache uses "
+            f"{spec.block_size}-token blocks: kvpush needs them equal; set "
+            f"--block-size {spec.block_size}"
+        )
+    if (
+        spec.page_size_padded is not None
+        or spec.num_head_slots is not None
+        or spec.state_content_bytes is not None
+        or spec.tokens_per_state != 1
+    ):
+        problems.append(
+            f"{type(spec).__name__} with padded or packed pages: kvpush maps "
+            "dense [heads, tokens, K|V] blocks only"
+        )
+    try:
+        expected = kv_storage_dtype(
+            cache_config.cache_dtype, vllm_config.model_config.dtype
+        )
+    except UnsupportedConfig:
+        return problems  # reported by _dtype_problems
+    if spec.dtype.itemsize != expected.itemsize:
+        problems.append(
+            f"--kv-cache-dtype {cache_config.cache_dtype} means {expected} but the "
+            f"KV cache is {spec.dtype}; kvpush cannot tell the element size"
+        )
+    return problems
+
+
+def _refused_kind(spec: Any) -> str | None:
+    """Why layers of this spec cannot be copied block for block, or None."""
+    if isinstance(spec, MLAAttentionSpec):
+        return (
+            "MLA caches (one latent vector per token, often in packed fp8 "
+            "formats) are not mapped by kvpush yet; serve a model without MLA"
+        )
+    if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+        return (
+            "local-attention caches free the blocks outside their window, so a "
+            "request's block ids do not cover its whole prompt; kvpush maps "
+            "full attention only (a model mixing both runs: vLLM then keeps "
+            "every block, as the hybrid KV cache manager is off)"
+        )
+    if isinstance(spec, MambaSpec):
+        return "state caches (Mamba, linear attention) are not mapped by kvpush"
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return "layers with different KV shapes are not mapped by kvpush"
+    if type(spec) is not FullAttentionSpec:
+        return "only plain full attention (FullAttentionSpec) is mapped by kvpush"
+    return None

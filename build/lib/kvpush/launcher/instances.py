@@ -1,0 +1,337 @@
+"""Plan vLLM instances: ports, cores, command lines, env.
+
+Pure functions of the settings: nothing here starts a process. ``kvpush up``
+plans a whole cluster (:func:`plan_instances`); ``kvpush serve`` plans one
+instance (:meth:`kvpush.launcher.serve.ServeConfig.spec`); both build the
+command line and environment with :func:`instance_command` and
+:func:`instance_env_vars`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
+from kvpush.launcher.netns import NetPlan
+from kvpush.side_channel_auth import SECRET_ENV
+from kvpush.topology import Backend, Role
+
+# vLLM connector class loaded into each instance, per mode. The module path
+# always wins over vLLM's own registry.
+_CONNECTORS: dict[str, tuple[str, str]] = {
+    "vllm-pull": ("FairNixlConnector", "kvpush.baselines.fair_nixl"),
+    "vllm-push": ("FairNixlPushConnector", "kvpush.baselines.fair_nixl"),
+    "kvpush": ("KvPushConnector", "kvpush.connector.connector"),
+}
+_KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One vLLM instance to start.
+
+    ``name`` is its engine id; ``addresses`` where it binds and what the
+    topology names; ``side_channel_port`` the first of its ``tp``
+    side-channel ports (rank ``r`` may listen on ``side_channel_port + r``);
+    ``cores`` the CPU each of its ``tp`` ranks is bound to, in rank order
+    (empty: not pinned); ``run_dir`` holds its log, traces and fault file
+    (None: none of them).
+    """
+
+    role: Role
+    name: str
+    addresses: Addresses
+    http_port: int
+    side_channel_port: int
+    cores: tuple[int, ...]
+    run_dir: Path | None
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"instance {self.name}: tp must be >= 1, not {self.tp}")
+        if self.cores and len(self.cores) != self.tp:
+            raise ValueError(
+                f"instance {self.name}: {len(self.cores)} cores for {self.tp} ranks"
+            )
+
+    @property
+    def cpus(self) -> frozenset[int]:
+        """The process's CPU affinity: every rank's core (empty: unpinned)."""
+        return frozenset(self.cores)
+
+    @property
+    def omp_threads_bind(self) -> str | None:
+        """``VLLM_CPU_OMP_THREADS_BIND``: each rank's core, ranks separated
+        by ``|`` (None: not pinned; vLLM then binds by NUMA node itself)."""
+        return "|".join(str(c) for c in self.cores) if self.cores else None
+
+    @property
+    def side_channel_ports(self) -> range:
+        """The side-channel ports this instance owns, one per rank."""
+        return range(self.side_channel_port, self.side_channel_port + self.tp)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addresses.advertise_host}:{self.http_port}"
+
+    @property
+    def log_path(self) -> Path:
+        if self.run_dir is None:
+            raise ValueError(f"instance {self.name} has no run directory")
+        return self.run_dir / f"{self.name}.log"
+
+    def backend(self) -> Backend:
+        """This instance as the router's topology names it."""
+        return Backend(
+            role=self.role,
+            url=self.url,
+            engine_id=self.name,
+            side_channel_host=self.addresses.side_channel_host,
+            side_channel_port=self.side_channel_port,
+            tp_size=self.tp,  # decode registers with each prefill rank
+        )
+
+
+def instance_names(config: ClusterConfig) -> list[tuple[Role, str]]:
+    """Each instance's role and name (its engine id), prefills first."""
+    if config.mode == "colocated":
+        return [("colocated", "colocated0")]
+    names: list[tuple[Role, str]] = [
+        ("prefill", f"prefill{i}") for i in range(config.num_prefill)
+    ]
+    return names + [("decode", f"decode{i}") for i in range(config.num_decode)]
+
+
+def plan_instances(
+    config: ClusterConfig, run_dir: Path, network: NetPlan | None = None
+) -> list[InstanceSpec]:
+    """Every instance of the cluster, prefills first, each with its own
+    ports, cores and log file; on ``network``'s hosts, each at its host's
+    address (bound and advertised alike), else at ``config``'s. Ports follow
+    :class:`ClusterConfig`'s rule, cores :func:`core_shares`'."""
+    cores = config.cores or tuple(sorted(os.sched_getaffinity(0)))
+    stride = config.side_channel_stride
+    names = instance_names(config)
+    tps = [config.tp_of(role) for role, _ in names]
+    shares = core_shares(cores, tps)
+    specs = []
+    for i, (role, name) in enumerate(names):
+        addresses = config.addresses
+        if network is not None:
+            addresses = Addresses.resolve(network.host(name).address)
+        specs.append(
+            InstanceSpec(
+                role=role,
+                name=name,
+                addresses=addresses,
+                http_port=config.base_http_port + i,
+                side_channel_port=config.base_side_channel_port + i * stride,
+                cores=rank_cores(shares[i], tps[i]),
+                run_dir=run_dir,
+                tp=tps[i],
+            )
+        )
+    return specs
+
+
+def core_shares(cores: tuple[int, ...], tps: list[int]) -> list[tuple[int, ...]]:
+    """The cores each instance's ranks may use, for instances with ``tps``
+    ranks, in order. Instances never share a core while there are at least
+    as many cores as instances (on this machine a rank sharing a core with
+    another instance stalled vLLM's NIXL handshake; see
+    docs/tensor-parallel-cpu.md): each gets one core, then the spare cores go,
+    one at a time, to the instance with the most ranks per core (the
+    earliest on a tie) until every rank has its own core; shares are
+    contiguous, in instance order, and cores nobody needs stay unused. With
+    fewer cores than instances, instance ``i`` gets ``cores[i % len(cores)]``
+    alone, as with TP 1."""
+    if not cores:
+        return [() for _ in tps]
+    if len(cores) < len(tps):
+        return [(cores[i % len(cores)],) for i in range(len(tps))]
+    sizes = [1] * len(tps)
+    spare = len(cores) - len(tps)
+    while spare and any(n < tp for n, tp in zip(sizes, tps, strict=True)):
+        i = max(range(len(tps)), key=lambda j: (tps[j] / sizes[j], -j))
+        sizes[i] += 1
+        spare -= 1
+    shares, first = [], 0
+    for n in sizes:
+        shares.append(cores[first : first + n])
+        first += n
+    return shares
+
+
+def rank_cores(share: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The core of each of an instance's ``tp`` ranks, from its ``share``:
+    rank ``r`` gets ``share[r % len(share)]``, so its ranks take distinct
+    cores until the share runs out, then wrap around and share (empty
+    share: not pinned)."""
+    if not share:
+        return ()
+    return tuple(share[r % len(share)] for r in range(tp))
+
+
+def check_tp_fits_model(model: Path, tps: dict[str, int]) -> None:
+    """Refuse, before anything starts, a TP that ``model``'s heads do not
+    allow (``tps``: instance name -> its TP). vLLM needs the attention heads
+    divisible by the TP, and the KV heads either divisible by it or, when
+    there are fewer KV heads than ranks (they are then replicated),
+    dividing it; it reports the second only as a bare assertion in a worker's
+    log. A hub id or a config without head counts is left to vLLM."""
+    heads = _head_counts(model)
+    if heads is None:
+        return
+    num_heads, num_kv_heads = heads
+    for name, tp in tps.items():
+        if num_heads % tp:
+            raise ValueError(
+                f"{name}: TP {tp} does not divide the model's {num_heads} "
+                f"attention heads ({model}); choose a TP that divides {num_heads}"
+            )
+        if num_kv_heads % tp if num_kv_heads >= tp else tp % num_kv_heads:
+            raise ValueError(
+                f"{name}: TP {tp} and the model's {num_kv_heads} KV heads "
+                f"({model}) neither divide each other; vLLM needs one to divide "
+                "the other"
+            )
+
+
+def _head_counts(model: Path) -> tuple[int, int] | None:
+    try:
+        raw = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = raw.get("text_config") or raw
+    num_heads = text.get("num_attention_heads")
+    num_kv_heads = text.get("num_key_value_heads", num_heads)
+    if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int):
+        return None
+    if num_heads < 1 or num_kv_heads < 1:
+        return None
+    return num_heads, num_kv_heads
+
+
+FAULT_FILE = "faults.json"  # in the run dir, with fault_injection
+_VLLM_POLICY = {"recompute": "recompute", "error": "fail"}
+
+
+def kv_transfer_config(
+    config: InstanceSettings, spec: InstanceSpec
+) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of an instance, None when colocated.
+    kvpush's connector also gets its side channel, NIXL backend, a trace
+    directory (``RUN_DIR/traces``) for per-transfer timelines, any deadlines
+    set in the config, and the fault file when asked for; the baselines get
+    the NIXL backend when it is not UCX (vLLM's ``backends``)."""
+    if spec.role == "colocated":
+        return None
+    if config.mode not in _CONNECTORS:
+        raise ValueError(f"mode {config.mode!r} has no connector available yet")
+    connector, module = _CONNECTORS[config.mode]
+    kv: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": _KV_ROLES[spec.role],
+        "kv_buffer_device": "cpu",
+        "engine_id": spec.name,
+        "kv_load_failure_policy": _VLLM_POLICY[config.kv_load_failure_policy],
+    }
+    if config.mode == "kvpush":
+        kv["kv_connector_extra_config"] = _kvpush_extra(config, spec)
+    elif config.nixl_backend != "UCX":
+        kv["kv_connector_extra_config"] = {"backends": [config.nixl_backend]}
+    return kv
+
+
+def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "side_channel_host": spec.addresses.side_channel_bind_host,
+        "side_channel_port": spec.side_channel_port,
+        "nixl_backend": config.nixl_backend,
+    }
+    if spec.run_dir is not None:
+        extra["trace_dir"] = str(spec.run_dir / "traces")
+    for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
+        if getattr(config, name) is not None:
+            extra[name] = getattr(config, name)
+    if config.fault_injection:
+        if spec.run_dir is None:
+            raise ValueError("fault injection needs a run directory (--run-dir)")
+        extra["fault_file"] = str(spec.run_dir / FAULT_FILE)
+    if config.insecure_side_channel:
+        extra["insecure_side_channel"] = True
+    # Decode pushes nothing; a per-layer granularity (the default, auto) in
+    # its config would make vLLM run its CUDA graphs PIECEWISE for nothing
+    # (requires_piecewise_for_cudagraph sees this dict, not the role).
+    extra["push_granularity"] = (
+        config.push_granularity if spec.role == "prefill" else "request"
+    )
+    if config.verify_kv != "off":  # both roles: both must select alike
+        extra["verify_kv"] = config.verify_kv
+        if config.verify_kv_sample is not None:
+            extra["verify_kv_sample"] = config.verify_kv_sample
+    return extra
+
+
+def instance_command(
+    config: InstanceSettings, spec: InstanceSpec, model: Path
+) -> list[str]:
+    """The command line that starts one instance's OpenAI API server."""
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--served-model-name", model.name,
+        "--host", spec.addresses.bind_host,
+        "--port", str(spec.http_port),
+        "--dtype", config.dtype,
+        "--max-model-len", str(config.max_model_len),
+        "--tensor-parallel-size", str(spec.tp),
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if config.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    kv_config = kv_transfer_config(config, spec)
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+    return cmd + list(config.extra_vllm_args)
+
+
+def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str, str]:
+    """The variables kvpush sets for one instance (over the inherited
+    environment): its ranks' cores, KV cache size, vLLM's side-channel address
+    (which the baselines bind and advertise: one listener per instance, on
+    its first port, answering for every rank), the NIC UCX may use. Never
+    the secret: see :func:`instance_env`."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gb)}
+    if spec.omp_threads_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.omp_threads_bind
+    env.update(
+        VLLM_NIXL_SIDE_CHANNEL_HOST=spec.addresses.side_channel_host,
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_channel_port),
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    if config.ucx_net_devices is not None:
+        env["UCX_NET_DEVICES"] = config.ucx_net_devices
+    return env
+
+
+def instance_env(
+    config: InstanceSettings, spec: InstanceSpec, secret: str | None = None
+) -> dict[str, str]:
+    """The whole environment of one instance: this process's, plus
+    :func:`instance_env_vars`, plus the side-channel ``secret`` when one was
+    read from a file (an inherited ``KVPUSH_SIDE_CHANNEL_SECRET`` stays)."""
+    env = dict(os.environ)
+    env.update(instance_env_vars(config, spec))
+    if secret is not None:
+        env[SECRET_ENV] = secret
+    return env

@@ -1,0 +1,28 @@
+"""How many bytes of KV cache a model keeps per token, from its config.json.
+
+Keys and values (2) for every layer and KV head: ``2 * layers * kv_heads *
+head_dim * element size`` of the dtype it is served in. The tiny model (2
+layers, 2 KV heads of 64, float32) keeps exactly 2048 bytes per token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """KV bytes per token of the model in ``model_dir`` served as ``dtype``."""
+    if dtype not in _ELEMENT_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_ELEMENT_BYTES)}")
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads", heads))
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the KV shape of {model_dir}: {e}") from e
+    return 2 * layers * kv_heads * head_dim * _ELEMENT_BYTES[dtype]

@@ -1,0 +1,91 @@
+"""The client side: relaying a backend's answer, or an error, to the client.
+
+Once :func:`relay` prepares the client response (the status line is sent),
+``ctx.client_response`` is set and the request can no longer be retried. A
+write that finds the client gone raises :class:`ClientGone`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.router.context import ClientGone, FlowContext
+from kvpush.router.errors import JSON_CONTENT_TYPE, RouterError
+from kvpush.router.legs import is_event_stream, note_output, read_chunk, read_rest
+from kvpush.topology import Backend
+
+logger = logging.getLogger(__name__)
+
+
+async def relay(
+    ctx: FlowContext,
+    leg: str,
+    backend: Backend,
+    response: aiohttp.ClientResponse,
+    first: bytes,
+) -> web.StreamResponse:
+    """Send a backend's successful answer to the client, streaming SSE as it comes."""
+    content_type = response.headers.get("Content-Type", JSON_CONTENT_TYPE)
+    if is_event_stream(response):
+        out = web.StreamResponse(
+            status=response.status,
+            headers={"Content-Type": content_type, "Cache-Control": "no-cache"},
+        )
+        await _start_client(ctx, out)
+        chunk = first
+        while chunk:
+            note_output(ctx, chunk, True)
+            await _write_client(out, chunk)
+            chunk = await read_chunk(leg, backend, response)
+        response.release()  # at EOF: the connection goes back to the pool
+        await _finish_client(ctx, out)
+        return out
+    body = first + await read_rest(leg, backend, response)
+    out = web.Response(
+        status=response.status, body=body, headers={"Content-Type": content_type}
+    )
+    await _start_client(ctx, out)
+    await _finish_client(ctx, out)
+    return out
+
+
+async def reply_error(ctx: FlowContext, err: RouterError) -> web.StreamResponse:
+    """The error as a response, or as a final SSE event if a stream has begun."""
+    out = ctx.client_response
+    if out is None:
+        return err.to_response()
+    if not ctx.is_client_done:
+        ctx.is_client_done = True
+        try:
+            await out.write(err.to_sse_event())
+            await out.write_eof()
+        except ConnectionResetError:
+            logger.info("request %s: client gone before the error", ctx.request_id)
+    return out
+
+
+async def _start_client(ctx: FlowContext, out: web.StreamResponse) -> None:
+    out.headers.update(ctx.response_headers)  # kvpush: binding and decode
+    try:
+        await out.prepare(ctx.request)
+    except ConnectionResetError as e:
+        raise ClientGone from e
+    ctx.client_response = out  # the status line is out: no retry from here on
+
+
+async def _write_client(out: web.StreamResponse, chunk: bytes) -> None:
+    try:
+        await out.write(chunk)
+    except ConnectionResetError as e:
+        raise ClientGone from e
+
+
+async def _finish_client(ctx: FlowContext, out: web.StreamResponse) -> None:
+    try:
+        await out.write_eof()
+    except ConnectionResetError as e:
+        raise ClientGone from e
+    ctx.is_client_done = True

@@ -1,0 +1,195 @@
+"""Live load signals of each instance, as the router last read them.
+
+The scraper (``scraper.py``) fetches every instance's vLLM ``/metrics`` at a
+short interval and hands the text to :func:`parse_scrape`; the result goes
+on the :class:`SignalBoard` with the time it was read. The planner
+(``planner.py``) asks the board for an instance's :class:`InstanceSignals`
+and for a prefill-decode pair's :class:`PairFigures`; either is ``None``
+when the last good read is older than ``max_age_s``: **a stale signal is
+unknown, never idle** (the scoring charges unknown load a fixed penalty).
+
+What is read, from vLLM's own families and kvpush connector's:
+
+- ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` (summed over
+  vLLM's engines) and ``vllm:kv_cache_usage_perc`` (the fullest engine);
+- on a kvpush prefill, per decode peer: ``vllm:kvpush_peer_handover_seconds``
+  (its KV ready to the WRITE done; the board keeps a moving mean of the
+  observations between two reads) and ``vllm:kvpush_peer_bytes_in_flight``
+  (WRITE bytes posted to that decode and not done).
+
+Pure: no I/O and no clock (times are passed in); the router's event loop is
+its only caller, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+HANDOVER = "vllm:kvpush_peer_handover_seconds"
+IN_FLIGHT = "vllm:kvpush_peer_bytes_in_flight"
+HANDOVER_SMOOTHING = 0.5  # weight of the newest window in the moving mean
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """What one instance's ``/metrics`` text says (absent families: None/empty).
+
+    ``handover_sum_s`` and ``handover_count`` are the cumulative histogram
+    sums and counts per peer engine; ``bytes_in_flight`` the gauge per peer.
+    """
+
+    num_waiting: int | None = None
+    num_running: int | None = None
+    kv_usage: float | None = None
+    handover_sum_s: dict[str, float] = field(default_factory=dict)
+    handover_count: dict[str, float] = field(default_factory=dict)
+    bytes_in_flight: dict[str, float] = field(default_factory=dict)
+
+
+def parse_scrape(text: str) -> Scrape:
+    """The signals in one ``/metrics`` text (``ValueError`` if it does not parse)."""
+    sums: dict[str, float] = {}
+    found: dict[str, float] = {}
+    handover_sum: dict[str, float] = {}
+    handover_count: dict[str, float] = {}
+    in_flight: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            peer = sample.labels.get("peer", "")
+            if sample.name in (WAITING, RUNNING):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+            elif sample.name == KV_USAGE:
+                found[KV_USAGE] = max(found.get(KV_USAGE, 0.0), sample.value)
+            elif sample.name == f"{HANDOVER}_sum" and peer:
+                handover_sum[peer] = handover_sum.get(peer, 0.0) + sample.value
+            elif sample.name == f"{HANDOVER}_count" and peer:
+                handover_count[peer] = handover_count.get(peer, 0.0) + sample.value
+            elif sample.name == IN_FLIGHT and peer:
+                in_flight[peer] = in_flight.get(peer, 0.0) + sample.value
+    return Scrape(
+        num_waiting=_count(sums.get(WAITING)),
+        num_running=_count(sums.get(RUNNING)),
+        kv_usage=found.get(KV_USAGE),
+        handover_sum_s=handover_sum,
+        handover_count=handover_count,
+        bytes_in_flight=in_flight,
+    )
+
+
+def _count(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+@dataclass(frozen=True)
+class InstanceSignals:
+    """One instance's load at ``read_at`` (monotonic seconds)."""
+
+    num_waiting: int
+    num_running: int
+    kv_usage: float | None
+    read_at: float
+
+
+@dataclass(frozen=True)
+class PairFigures:
+    """A prefill's transfers to one decode, as of the prefill's last read.
+
+    ``handover_s`` is the moving mean of recent handovers (None: none seen
+    yet); ``bytes_in_flight`` the WRITE bytes posted and not done.
+    """
+
+    handover_s: float | None
+    bytes_in_flight: float
+
+
+@dataclass
+class _Handover:
+    last_sum_s: float
+    last_count: float
+    mean_s: float | None = None
+
+
+class SignalBoard:
+    """The latest good read of every instance, each with its time.
+
+    An instance never read, or last read more than ``max_age_s`` ago, has
+    no signals (:meth:`signals` returns None): a failed scrape leaves the
+    old read to age out rather than replacing it with zeros.
+    """
+
+    def __init__(self, max_age_s: float) -> None:
+        if not max_age_s > 0:
+            raise ValueError(f"max_age_s must be positive, not {max_age_s}")
+        self.max_age_s = max_age_s
+        self._reads: dict[str, tuple[Scrape, float]] = {}
+        self._handovers: dict[tuple[str, str], _Handover] = {}
+
+    def record(self, engine_id: str, scrape: Scrape, now: float) -> None:
+        """A good read of ``engine_id``'s metrics at ``now``."""
+        self._reads[engine_id] = (scrape, now)
+        for peer, count in scrape.handover_count.items():
+            total = scrape.handover_sum_s.get(peer, 0.0)
+            self._update_handover((engine_id, peer), total, count)
+
+    def forget(self, engine_id: str) -> None:
+        """Drop everything known of ``engine_id`` (it went down)."""
+        self._reads.pop(engine_id, None)
+        for key in [k for k in self._handovers if engine_id in k]:
+            del self._handovers[key]
+
+    def signals(self, engine_id: str, now: float) -> InstanceSignals | None:
+        """``engine_id``'s load, or None when unknown (never read, stale, or
+        the instance does not export the queue gauges)."""
+        scrape = self._fresh(engine_id, now)
+        if scrape is None or scrape[0].num_waiting is None:
+            return None
+        read, read_at = scrape
+        return InstanceSignals(
+            num_waiting=read.num_waiting or 0,
+            num_running=read.num_running or 0,
+            kv_usage=read.kv_usage,
+            read_at=read_at,
+        )
+
+    def pair(self, prefill_id: str, decode_id: str, now: float) -> PairFigures | None:
+        """The prefill's figures for transfers to ``decode_id`` (None when the
+        prefill's read is stale or it reports nothing for that peer)."""
+        scrape = self._fresh(prefill_id, now)
+        if scrape is None:
+            return None
+        read = scrape[0]
+        handover = self._handovers.get((prefill_id, decode_id))
+        if handover is None and decode_id not in read.bytes_in_flight:
+            return None
+        return PairFigures(
+            handover_s=None if handover is None else handover.mean_s,
+            bytes_in_flight=read.bytes_in_flight.get(decode_id, 0.0),
+        )
+
+    def _fresh(self, engine_id: str, now: float) -> tuple[Scrape, float] | None:
+        entry = self._reads.get(engine_id)
+        if entry is None or now - entry[1] > self.max_age_s:
+            return None
+        return entry
+
+    def _update_handover(
+        self, key: tuple[str, str], total_s: float, count: float
+    ) -> None:
+        old = self._handovers.get(key)
+        if old is None or count < old.last_count:  # first read, or a restart
+            mean = total_s / count if count > 0 else None
+            self._handovers[key] = _Handover(total_s, count, mean)
+            return
+        if count > old.last_count:
+            window = (total_s - old.last_sum_s) / (count - old.last_count)
+            old.mean_s = (
+                window
+                if old.mean_s is None
+                else HANDOVER_SMOOTHING * window + (1 - HANDOVER_SMOOTHING) * old.mean_s
+            )
+        old.last_sum_s, old.last_count = total_s, count

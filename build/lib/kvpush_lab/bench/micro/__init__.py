@@ -1,0 +1,16 @@
+"""``kvpush bench-micro``: micro-benchmarks of the prefill writer's own work,
+run in one process with no vLLM (issue 9, "descriptor work at GPU scale").
+
+* :mod:`.build` — kvpush's descriptor build (runs + descriptors) for an
+  80-layer, 1000-block WRITE, contiguous and fragmented, the numpy code
+  against the pure-Python code it replaced (kept in :mod:`.baseline`);
+* :mod:`.nixl_calls` — NIXL's own calls on the same descriptors, timed one
+  by one with two real agents (UCX, host memory) writing to each other;
+* :mod:`.writer_cpu` — the writer thread's CPU while 1000 transfers wait in
+  the matcher, and while 100 WRITEs are in flight;
+* :mod:`.report` renders the ``micro`` section of ``BENCHMARKS.md``;
+  :mod:`.cli` wires the command.
+
+Timings are repeated rounds reported as median and p10–p90 (see
+:mod:`.stats`); they are measurements of this machine, never assertions.
+"""

@@ -1,0 +1,62 @@
+"""Configuration names: what ``--configs`` may list, and the cluster each is.
+
+- ``colocated``, ``vllm-pull``, ``vllm-push``, ``kvpush``: the launcher's
+  modes, each with its defaults;
+- ``kvpush-<binding>`` (``kvpush-auto``, ``kvpush-early``, ...): kvpush
+  with its router's ``--binding`` forced or decided;
+- ``kvpush.<granularity>`` (``kvpush.request``, ``kvpush.chunk``,
+  ``kvpush.layer``, ``kvpush.auto``): kvpush with prefill's connector at
+  that ``--push-granularity``.
+
+A hyphen sets the router, a dot the connector: ``auto`` names both a
+binding and a granularity, and ``kvpush-auto`` / ``kvpush.auto`` keep them
+apart. The granularity is prefill's connector config, so each
+``kvpush.<granularity>`` needs a cluster of its own (it never shares one).
+"""
+
+from __future__ import annotations
+
+from kvpush.connector.config import PUSH_GRANULARITIES
+from kvpush.router.binding import POLICIES
+from kvpush.topology import MODES
+
+# kvpush with its router's binding forced (kvpush-early) or decided (kvpush-auto)
+BINDING_CONFIGS = {f"kvpush-{policy}": policy for policy in POLICIES}
+# kvpush with prefill pushing per request, chunk or layer (or choosing: auto)
+GRANULARITY_CONFIGS = {f"kvpush.{g}": g for g in PUSH_GRANULARITIES}
+CONFIG_NAMES = (*MODES, *BINDING_CONFIGS, *GRANULARITY_CONFIGS)
+
+
+def cluster_of(name: str) -> tuple[str, str | None]:
+    """A configuration's cluster mode and router binding (None: the
+    router's default)."""
+    if name in BINDING_CONFIGS:
+        return "kvpush", BINDING_CONFIGS[name]
+    if name in GRANULARITY_CONFIGS:
+        return "kvpush", None
+    return name, None
+
+
+def granularity_of(name: str) -> str | None:
+    """The push granularity a configuration sets (None: the launcher's)."""
+    return GRANULARITY_CONFIGS.get(name)
+
+
+def unknown_names_message(unknown: list[str]) -> str:
+    """What to say about configuration names that are none of the above."""
+    hints = []
+    for name in unknown:
+        head, sep, tail = name.partition("-")
+        if sep and head == "kvpush" and f"kvpush.{tail}" in GRANULARITY_CONFIGS:
+            hints.append(f"{name!r} is not a binding: for push granularity "
+                         f"{tail!r} write kvpush.{tail}")  # fmt: skip
+        head, sep, tail = name.partition(".")
+        if sep and head == "kvpush" and tail not in PUSH_GRANULARITIES:
+            hints.append(f"{name!r}: push granularities are "
+                         f"{', '.join(PUSH_GRANULARITIES)}")  # fmt: skip
+    text = (
+        f"unknown configs {unknown}; choose from {', '.join(CONFIG_NAMES)} "
+        "(kvpush-<binding> sets the router's binding, kvpush.<granularity> "
+        "prefill's --push-granularity)"
+    )
+    return text + "".join(f"; {h}" for h in hints)

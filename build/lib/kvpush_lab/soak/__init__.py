@@ -1,0 +1,12 @@
+"""``kvpush soak``: one cluster for minutes, the client aborting some
+requests; nothing may be lost or leak.
+
+Module map. Pure: ``config`` (SoakConfig), ``plan`` (schedule, aborts,
+prompts), ``outcome`` (completed / aborted / failed / lost), ``leaks`` (KV
+blocks left after drain), ``report`` (soak.json, the markdown section).
+I/O: ``driver`` (sending, aborting, settling), ``counters`` (the
+connector's counters), ``cli`` (the command, also ``python -m
+kvpush_lab.soak``). It reuses the benchmark's cluster set-up, client,
+``prometheus`` (metrics text) and ``sections``: the soak depends on
+``kvpush_lab.bench``, never the reverse.
+"""
