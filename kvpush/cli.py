@@ -1,5 +1,5 @@
 """The ``kvpush`` command: make-model, up, serve, down, status, router,
-drain, and the lab's bench, bench-micro, project, soak (``kvpush[bench]``)."""
+drain, forget, and the lab's bench, bench-micro, project, soak (``kvpush[bench]``)."""
 
 from __future__ import annotations
 
@@ -219,6 +219,52 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
     wait_s = args.timeout_s if args.wait else None
     drain(args.router, args.name, undrain=args.undrain, wait_s=wait_s)
+    return 0
+
+
+def _add_forget(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Tell decode that a prefill is gone for good (its host is confirmed "
+        "down): its pending receives fail and its quarantined blocks are "
+        "released. Never needed for a prefill on decode's own host, nor for "
+        "one that restarts (a new boot id proves it)."
+    )
+    p.add_argument("engine_id", help="the prefill's engine id (kvpush status)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", type=Path, help=RUN_DIR_HELP)
+    where.add_argument(
+        "--control-dir",
+        type=Path,
+        help="one decode's kv_connector_extra_config.control_dir (an "
+        "instance not started by 'kvpush up')",
+    )
+    p.add_argument("--yes", action="store_true", help="do not ask to confirm")
+    p.set_defaults(func=_cmd_forget)
+
+
+def _cmd_forget(args: argparse.Namespace) -> int:
+    from kvpush.connector.control import write_forget
+    from kvpush.launcher.forget import meaning, targets
+
+    run_dir = None
+    if args.control_dir is None:
+        run_dir = args.run_dir or env.default_run_dir()
+    dirs = targets(args.engine_id, run_dir=run_dir, control_dir=args.control_dir)
+    if not dirs:
+        print(f"no decode instance in {run_dir}: nothing written", file=sys.stderr)
+        return 1
+    if not args.yes:
+        print(meaning(args.engine_id), file=sys.stderr)
+        try:
+            answer = input(f"forget prefill {args.engine_id}? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing written", file=sys.stderr)
+            return 1
+    for control_dir in dirs:
+        print(f"wrote {write_forget(control_dir, args.engine_id)}")
+    print(meaning(args.engine_id))
     return 0
 
 
@@ -445,5 +491,9 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "drain": (
         "stop routing new requests to an instance (rolling restarts)",
         _add_drain,
+    ),
+    "forget": (
+        "tell decode a prefill whose host is down is gone (frees its blocks)",
+        _add_forget,
     ),
 }

@@ -8,7 +8,12 @@ The launcher sets these through ``kv_connector_extra_config``::
      "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
      "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false,
      "push_granularity": "auto", "layer_push_min_bytes": 2097152,
-     "verify_kv": "off", "verify_kv_sample": 0.01}
+     "verify_kv": "off", "verify_kv_sample": 0.01, "control_dir": ""}
+
+``control_dir`` (decode): an absolute directory where ``kvpush forget``
+leaves an operator's proof that a prefill is gone
+(:mod:`kvpush.connector.control`); the launcher sets
+``RUN_DIR/control/<engine id>``; empty (the default): no such proof is read.
 
 ``push_granularity`` (prefill): ``request`` pushes a prompt's KV once its
 last chunk is computed; ``chunk`` streams it, each prefill chunk's
@@ -119,10 +124,13 @@ class ConnectorConfig:
     # KV digests: off | sample | all, and the fraction sample verifies
     verify_kv: str = DEFAULT_VERIFY_KV
     verify_kv_sample: float = DEFAULT_VERIFY_SAMPLE
+    # decode: where ``kvpush forget`` writes (kvpush.connector.control); "": off
+    control_dir: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             raise ValueError("kv-transfer-config needs a non-empty engine_id")
+        check_control_dir(self.control_dir)
         check_nixl_backend(self.nixl_backend)
         check_push_granularity(self.push_granularity)
         try:
@@ -247,6 +255,7 @@ class ConnectorConfig:
                 use_mla=_uses_mla(vllm_config),
                 verify_kv=str(extra.get("verify_kv", DEFAULT_VERIFY_KV)),
                 verify_kv_sample=_fraction(extra),
+                control_dir=_control_dir(extra),
                 **durations,
             )
         except (TypeError, ValueError) as e:
@@ -262,6 +271,29 @@ def _fraction(extra: dict[str, Any]) -> float:
             f"(0, 1], not {value!r}"
         )
     return float(value)
+
+
+def _control_dir(extra: dict[str, Any]) -> str:
+    """``control_dir`` of the extra config ("" when not given)."""
+    value = extra.get("control_dir", "")
+    if not isinstance(value, str):
+        raise ValueError(
+            "kv_connector_extra_config.control_dir must be a directory path "
+            f"(a string), not {value!r}"
+        )
+    return value
+
+
+def check_control_dir(path: str) -> None:
+    """Raise ValueError unless ``path`` is empty (off) or an absolute path
+    (a relative one would depend on vLLM's working directory)."""
+    if not path:
+        return
+    if "\0" in path or not os.path.isabs(path):
+        raise ValueError(
+            "kv_connector_extra_config.control_dir must be an absolute path "
+            f"(or empty: off), not {path!r}"
+        )
 
 
 def _total_kv_heads(vllm_config: Any) -> int:

@@ -239,7 +239,10 @@ class KvPushConnector(KVConnectorBase_V1):
         side = self._sched if self._sched is not None else self._worker
         if side is None:
             return None
-        return take_stats(side.counters, side.tracer)
+        quarantined = None
+        if isinstance(side, DecodeWorker):
+            quarantined = side.take_quarantined()
+        return take_stats(side.counters, side.tracer, quarantined)
 
     @classmethod
     def build_kv_connector_stats(

@@ -27,6 +27,9 @@ family                                 type       labels besides vLLM's
 ``vllm:kvpush_write_descriptors``      histogram  (one WRITE's descriptors)
 ``vllm:kvpush_peer_handover_seconds``  histogram  ``peer``: push / handover
 ``vllm:kvpush_peer_bytes_in_flight``   gauge      ``peer``: WRITE bytes not done
+``vllm:kvpush_quarantined_blocks``     gauge      ``peer``: decode blocks held
+                                                  past their deadline, by the
+                                                  prefill they wait on
 =====================================  =========  ===============================
 
 Counts reach ``/metrics`` with the next engine step after them: an event on a
@@ -72,6 +75,7 @@ class StatsData(msgspec.Struct, kw_only=True, omit_defaults=True):
     write_bytes: list[int] = msgspec.field(default_factory=list)
     write_descs: list[int] = msgspec.field(default_factory=list)
     bytes_in_flight: dict[str, int] = msgspec.field(default_factory=dict)
+    quarantined_blocks: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +86,7 @@ class StatsData(msgspec.Struct, kw_only=True, omit_defaults=True):
             or self.write_bytes
             or self.write_descs
             or self.bytes_in_flight
+            or self.quarantined_blocks
         )
 
 
@@ -98,6 +103,7 @@ def merge(a: StatsData, b: StatsData) -> StatsData:
         write_bytes=a.write_bytes + b.write_bytes,
         write_descs=a.write_descs + b.write_descs,
         bytes_in_flight={**a.bytes_in_flight, **b.bytes_in_flight},
+        quarantined_blocks={**a.quarantined_blocks, **b.quarantined_blocks},
     )
 
 
@@ -108,7 +114,11 @@ def _join(a: dict[K, list[float]], b: dict[K, list[float]]) -> dict[K, list[floa
     return out
 
 
-def from_parts(events: dict[str, int], phases: PhaseObservations) -> StatsData:
+def from_parts(
+    events: dict[str, int],
+    phases: PhaseObservations,
+    quarantined: dict[str, int] | None = None,
+) -> StatsData:
     return StatsData(
         events=events,
         phases=phases.phases,
@@ -116,6 +126,7 @@ def from_parts(events: dict[str, int], phases: PhaseObservations) -> StatsData:
         write_bytes=phases.write_bytes,
         write_descs=phases.write_descs,
         bytes_in_flight=phases.bytes_in_flight,
+        quarantined_blocks=dict(quarantined or {}),
     )
 
 
@@ -179,10 +190,13 @@ class KvPushStats(KVConnectorStats):
         return old
 
 
-def take_stats(counters: Counters, tracer: Tracer) -> KvPushStats | None:
+def take_stats(
+    counters: Counters, tracer: Tracer, quarantined: dict[str, int] | None = None
+) -> KvPushStats | None:
     """What one connector side counted and timed since its last take (None:
-    nothing, so vLLM's output of this step stays empty)."""
-    payload = from_parts(counters.take_deltas(), tracer.take_phases())
+    nothing, so vLLM's output of this step stays empty); ``quarantined``:
+    decode's quarantined blocks by prefill engine, those that changed."""
+    payload = from_parts(counters.take_deltas(), tracer.take_phases(), quarantined)
     return None if payload.is_empty else KvPushStats.of(payload)
 
 
@@ -242,6 +256,15 @@ class KvPushPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "peer"],
             multiprocess_mode="mostrecent",
         )
+        self._quarantined = gauge(
+            name="vllm:kvpush_quarantined_blocks",
+            documentation="Decode KV blocks held past their deadline, waiting "
+            "for the final word of (or a proof against) the prefill engine "
+            "`peer`; above 0 for minutes means that prefill is unreachable "
+            "(docs/architecture.md: What to alert on).",
+            labelnames=[*labelnames, "peer"],
+            multiprocess_mode="mostrecent",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = KvPushStats.from_payload(transfer_stats_data).payload
@@ -256,6 +279,8 @@ class KvPushPromMetrics(KVConnectorPromMetrics):
             _observe(self._peer_handover.labels(*base, peer), values)
         for peer, num_bytes in data.bytes_in_flight.items():
             self._bytes_in_flight.labels(*base, peer).set(num_bytes)
+        for peer, num_blocks in data.quarantined_blocks.items():
+            self._quarantined.labels(*base, peer).set(num_blocks)
 
 
 def _observe(histogram: Histogram, values: list[float] | list[int]) -> None:

@@ -219,6 +219,15 @@ def _head_counts(model: Path) -> tuple[int, int] | None:
 
 
 FAULT_FILE = "faults.json"  # in the run dir, with fault_injection
+CONTROL_DIR = "control"  # in the run dir: each decode's, for kvpush forget
+
+
+def control_dir_of(run_dir: Path, engine_id: str) -> Path:
+    """The control directory of decode ``engine_id`` of a run
+    (:mod:`kvpush.connector.control`)."""
+    return run_dir / CONTROL_DIR / engine_id
+
+
 _VLLM_POLICY = {"recompute": "recompute", "error": "fail"}
 
 
@@ -258,6 +267,9 @@ def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any
     }
     if spec.run_dir is not None:
         extra["trace_dir"] = str(spec.run_dir / "traces")
+        if spec.role == "decode":  # where kvpush forget leaves its proofs
+            run_dir = spec.run_dir.absolute()  # the connector needs it absolute
+            extra["control_dir"] = str(control_dir_of(run_dir, spec.name))
     for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
         if getattr(config, name) is not None:
             extra[name] = getattr(config, name)

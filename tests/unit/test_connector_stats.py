@@ -267,3 +267,20 @@ def test_observations_reach_the_right_buckets() -> None:
     bucket = "vllm:kvpush_phase_seconds_bucket"
     assert metric(text, bucket, phase="transfer", le="0.005") == 1
     assert metric(text, bucket, phase="transfer", le="0.25") == 2
+
+
+def test_decodes_quarantined_blocks_reach_their_gauge_by_prefill() -> None:
+    registry, types = private_metric_types()
+    prom = KvPushConnector.build_prom_metrics(
+        VLLM_CONFIG, types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
+    held = take_stats(Counters(), Tracer("", "d0"), {"prefill0": 3})
+    assert held is not None and held.payload.quarantined_blocks == {"prefill0": 3}
+    prom.observe(held.to_dict())
+    gauge = "vllm:kvpush_quarantined_blocks"
+    text = generate_latest(registry).decode()
+    assert metric(text, gauge, model_name="tiny", engine="0", peer="prefill0") == 3
+    released = KvPushStats.of(StatsData(quarantined_blocks={"prefill0": 0}))
+    prom.observe(held.aggregate(released).to_dict())
+    text = generate_latest(registry).decode()
+    assert metric(text, gauge, model_name="tiny", engine="0", peer="prefill0") == 0

@@ -65,6 +65,10 @@ class FakeTime:
     def monotonic(self) -> float:
         return self.now
 
+    def time(self) -> float:
+        """The wall clock: the same fake seconds."""
+        return self.now
+
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
@@ -184,7 +188,9 @@ def recv_expect(
 
 def assert_idle(worker: DecodeWorker) -> None:
     """Nothing is held for any transfer (per-peer connection state aside)."""
-    ignore = {"_greeted", "_connected", "_prefill_boots", "_to_reconcile"}
+    ignore = {
+        "_greeted", "_connected", "_prefill_boots", "_boot_since", "_to_reconcile",
+    }  # fmt: skip
     assert leftovers(worker, ignore=ignore) == {}
     assert leftovers(worker._receiver) == {}
     assert worker.reserved_blocks() == 0

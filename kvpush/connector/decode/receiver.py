@@ -11,8 +11,9 @@ rule of ``docs/architecture.md``):
     Done of its WRITE, or a Failure, which prefill sends only when no WRITE
     of it is in flight or can still be posted, in particular its answer to
     decode's Reconcile after a reconnect), or once the prefill process is
-    proven gone (its loopback connection closed, or it answered a Hello with
-    a new boot id). A deadline never frees blocks.
+    proven gone (its loopback connection closed, it answered a Hello with
+    a new boot id, or an operator said so with ``kvpush forget``:
+    :mod:`kvpush.connector.control`). A deadline never frees blocks.
 
 When the deadline passes without a final word the receive is
 *quarantined*: its blocks stay held and are counted, the worker asks
@@ -283,6 +284,40 @@ class Receiver:
         """The prefill rank at ``address`` refused our Hello: it will never
         write to us."""
         self._proven(address, lambda boot: True, Cause.INCOMPATIBLE)
+
+    def engine_gone(
+        self, engine_id: str, spares: Callable[[Address, str | None], bool]
+    ) -> int:
+        """Every rank of prefill engine ``engine_id`` is proven gone (an
+        operator's ``kvpush forget``: :mod:`kvpush.connector.control`), as
+        :meth:`peer_lost` for each of them, except the ranks whose address
+        and boot (the one known when the receive was expected) ``spares``.
+        The number of receives from that engine this ended or doomed."""
+        touched = 0
+        for tid, entry in list(self._pending.items()):
+            if entry.expect.prefill_engine_id != engine_id:
+                continue
+            gone = [
+                rank
+                for rank, boot in entry.awaiting.items()
+                if not spares(entry.address(rank), boot)
+            ]
+            if gone:
+                touched += 1
+            for rank in gone:
+                if tid not in self._pending:
+                    break
+                self._final(tid, rank, Cause.PEER_LOST)
+        return touched
+
+    def quarantined_by_engine(self) -> dict[str, int]:
+        """Quarantined blocks by the prefill engine they wait on."""
+        out: dict[str, int] = {}
+        for e in self._pending.values():
+            if e.phase is Phase.QUARANTINED:
+                peer = e.expect.prefill_engine_id
+                out[peer] = out.get(peer, 0) + len(e.expect.dst_block_ids)
+        return out
 
     def expire(self, now: float) -> None:
         """Quarantine receives past their deadline (asking each awaited rank

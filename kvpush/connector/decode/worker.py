@@ -21,6 +21,15 @@ metadata; each says Hello (naming its rank and TP size) only to the
 prefill ranks it receives from (:meth:`Receiver.sources`), and beats,
 cancels and reconciles with those only.
 
+Proof from an operator (``control_dir``): once a step, at most every
+0.5 s, the worker looks for new ``kvpush forget`` files
+(:mod:`kvpush.connector.control`) and treats the prefill engine each
+names as proven gone, every rank of it, as a closed loopback connection
+would: its receives pending at that moment fail and their quarantined
+blocks are released. A forget is spent once read; it spares a rank whose
+current boot decode first heard after the forget was written (the prefill
+came back), and receives registered later are not touched.
+
 KV digests (``verify_kv``): the Done of a selected transfer is checked
 before the receive counts as done, on the ``kvpush-verify`` thread
 (:mod:`kvpush.connector.decode.verify`); ``get_finished`` only hands the
@@ -38,6 +47,7 @@ import torch
 
 from kvpush.connector.agent import open_agent
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.control import ControlDir, Forget
 from kvpush.connector.counters import Counters
 from kvpush.connector.decode.heartbeat import Heartbeats
 from kvpush.connector.decode.progress import Progress
@@ -93,6 +103,8 @@ class DecodeWorker:
         self._greeted: set[Address] = set()  # Hello sent since (re)connect
         self._connected: set[Address] = set()
         self._prefill_boots: dict[Address, str] = {}  # from their HelloReply
+        # wall-clock time each of those boots was first heard (forget's guard)
+        self._boot_since: dict[Address, float] = {}
         self._to_reconcile: set[Address] = set()  # went down off loopback
         self._receiver = Receiver(
             config.registration_ttl_s,
@@ -112,6 +124,9 @@ class DecodeWorker:
         )
         self._load_errors: set[int] = set()
         self._last_step = time.monotonic()
+        self._control = ControlDir(config.control_dir)
+        self._control.prepare()
+        self._quarantined: dict[str, int] = {}  # by prefill, as last reported
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._io = open_agent(self.config, kv_caches)
@@ -200,6 +215,7 @@ class DecodeWorker:
                 self.tracer.mark(msg.transfer_id, "notif_received")
                 self._receiver.done(msg.transfer_id, msg.rank, now, msg.digest)
         self._read_replies(now)
+        self._read_control(now)
         self._verify()
         self._receiver.expire(now)
         self._ask_final_words()
@@ -220,6 +236,43 @@ class DecodeWorker:
             elif isinstance(msg, Done):  # a Reconcile's answer: the KV landed
                 self._receiver.done(msg.transfer_id, msg.rank, now, msg.digest)
 
+    def _read_control(self, now: float) -> None:
+        """Apply the ``kvpush forget`` files written since the last look."""
+        for forget in self._control.poll(now):
+            self._forget(forget)
+
+    def _forget(self, forget: Forget) -> None:
+        """An operator proved prefill ``forget.engine_id`` gone (its host is
+        down): every rank of it, as a closed loopback connection would,
+        except a rank that came back (a boot first heard after the forget
+        was written)."""
+
+        def came_back(address: Address, boot: str | None) -> bool:
+            return (
+                boot is not None
+                and self._prefill_boots.get(address) == boot
+                and self._boot_since.get(address, forget.at) > forget.at
+            )
+
+        n = self._receiver.engine_gone(forget.engine_id, came_back)
+        logger.warning(
+            "kvpush: an operator forgot prefill %s (kvpush forget): %d pending "
+            "receive(s) from it fail and their blocks are released",
+            forget.engine_id,
+            n,
+        )
+        if n:
+            self.counters.add("forgotten", n)
+
+    def take_quarantined(self) -> dict[str, int]:
+        """Quarantined blocks by prefill engine, for the gauge: only the
+        engines whose count changed since the last call (0: none left)."""
+        now = self._receiver.quarantined_by_engine()
+        changed = {k: v for k, v in now.items() if self._quarantined.get(k) != v}
+        changed.update({k: 0 for k in self._quarantined if k not in now})
+        self._quarantined = now
+        return changed
+
     def _verify(self) -> None:
         """Hand the receiver's digest checks to the verifier and give it
         the verdicts reached (a mismatch fails that receive)."""
@@ -234,6 +287,8 @@ class DecodeWorker:
     def _hello_reply(self, address: Address, reply: HelloReply) -> None:
         old = self._prefill_boots.get(address)
         self._prefill_boots[address] = reply.boot_id
+        if old != reply.boot_id:
+            self._boot_since[address] = time.time()
         if old is not None and old != reply.boot_id:  # the old process is gone
             logger.warning("kvpush: the prefill at %s:%d restarted", *address)
             self.counters.add("peer_lost")
@@ -289,6 +344,7 @@ class DecodeWorker:
                 if was_connected:
                     self.counters.add("peer_lost")
                 self._prefill_boots.pop(address, None)
+                self._boot_since.pop(address, None)
                 self._receiver.peer_lost(address)
             else:
                 self._to_reconcile.add(address)
