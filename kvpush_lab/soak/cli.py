@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import shlex
 import statistics
@@ -38,6 +39,7 @@ from rich.progress import (
 )
 
 from kvpush.launcher import down, up
+from kvpush.launcher.config import ClusterConfig
 from kvpush.launcher.state import RunState
 from kvpush_lab.bench import client, loadgen
 from kvpush_lab.bench.inputs import normal_token_ids, resolve_model
@@ -92,6 +94,8 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--base-side-channel-port", "base_side_channel_port", int,
      "first side-channel port (27200)"),
     ("--startup-timeout-s", "startup_timeout_s", float, "cluster start (300)"),
+    ("--verify-kv", "verify_kv", str,
+     "kvpush's KV digests: off, sample or all (off); a mismatch fails the soak"),
 )  # fmt: skip
 
 
@@ -112,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _metavar(dest: str) -> str:
     if dest.endswith("_s"):
         return "S"
-    if dest in ("mode", "prompt_len"):
+    if dest in ("mode", "prompt_len", "verify_kv"):
         return dest.split("_")[-1].upper()
     return "X" if dest in ("qps", "abort_fraction") else "N"
 
@@ -168,6 +172,12 @@ class Measured:
     counters: ConnectorCounters
 
 
+def soak_cluster(config: SoakConfig, model: Path, run_dir: Path) -> ClusterConfig:
+    """The benchmark's cluster of ``config.mode``, with the soak's KV digests."""
+    cluster = cluster_config(config.bench_config(), config.mode, model, run_dir)
+    return dataclasses.replace(cluster, verify_kv=config.verify_kv)
+
+
 def run_soak(
     config: SoakConfig, console: Console, command: str
 ) -> tuple[Path, SoakSummary]:
@@ -180,7 +190,7 @@ def run_soak(
     bench, run_dir = config.bench_config(), out_dir / "cluster"
     model = resolve_model(bench, console)
     vocab = normal_token_ids(model)
-    cluster = cluster_config(bench, config.mode, model, run_dir)
+    cluster = soak_cluster(config, model, run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started_at = _now()
     console.print(

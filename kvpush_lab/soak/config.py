@@ -18,6 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.topology import MODES
+from kvpush.transfer.digest import (
+    DEFAULT_VERIFY_KV,
+    DEFAULT_VERIFY_SAMPLE,
+    check_verify_kv,
+)
 from kvpush_lab.bench.config import BenchConfig, require
 from kvpush_lab.bench.lengths import LengthSpec
 
@@ -55,6 +60,7 @@ class SoakConfig:
     base_http_port: int = 27100
     base_side_channel_port: int = 27200
     startup_timeout_s: float = 300.0
+    verify_kv: str = DEFAULT_VERIFY_KV  # kvpush's KV digests: off, sample, all
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, f"mode must be one of {MODES}, not {self.mode!r}")
@@ -70,6 +76,7 @@ class SoakConfig:
         require(self.settle_s >= 0, "settle_s must be >= 0")
         require(self.num_warmup >= 1, "num_warmup must be at least 1 (handshake)")
         require(self.seed >= 0, "seed must be >= 0")
+        check_verify_kv(self.verify_kv, DEFAULT_VERIFY_SAMPLE)
         spec = self.prompt_spec
         require(spec.kind != "trace", "prompt_len must be 'N' or 'A-B' (no traces)")
         self.bench_config()  # lengths against max_model_len, ports, counts

@@ -139,6 +139,12 @@ def problems(summary: SoakSummary) -> list[str]:
             f"{summary.num_quarantined_blocks} KV blocks quarantined (a receive "
             "passed its deadline without prefill's final word)"
         )
+    mismatches = summary.counters.totals.get("digest_mismatch", 0)
+    if mismatches:
+        found.append(
+            f"{mismatches} KV digest mismatches (decode received bytes that "
+            "differ from what prefill wrote)"
+        )
     if not summary.counts.get("completed", 0):
         found.append("no request completed")
     return found

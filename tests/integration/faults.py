@@ -105,6 +105,16 @@ def counters(cluster: Cluster) -> dict[str, collections.Counter[str]]:
     return out
 
 
+def assert_no_digest_mismatch(cluster: Cluster, decode: str = "decode0") -> None:
+    """Every receive ``decode`` verified since it started matched its
+    digest (a suite run with ``verify_kv: all``): at least one was checked,
+    none mismatched, none came without a digest."""
+    nudge(cluster, decode)  # counts reach /metrics with the step after them
+    events = counters(cluster)[decode]
+    assert events["digest_verified"] >= 1, events
+    assert events["digest_mismatch"] == 0, events
+
+
 def nudge(cluster: Cluster, name: str) -> None:
     """Make instance ``name``'s engine step once with a plain local request
     (no KV transfer, no counter): counts reach ``/metrics`` with the engine

@@ -25,7 +25,8 @@ from tests.integration.conftest import Cluster, start_cluster
 
 pytestmark = pytest.mark.integration
 
-OPTIONS: dict[str, Any] = dict(faults.SHORT_DEADLINES)
+# Every receive's digest verified: a fault must not let corrupt KV through.
+OPTIONS: dict[str, Any] = {**faults.SHORT_DEADLINES, "verify_kv": "all"}
 DEADLINE_S = 60.0
 
 
@@ -96,3 +97,9 @@ def test_a_client_abort_between_two_chunks_frees_both_sides(cluster, reference):
     faults.assert_no_blocks_held(cluster)
     faults.set_faults(cluster)
     faults.assert_pushed_named(cluster, reference, "concurrent-28", DEADLINE_S)
+
+
+def test_no_kv_digest_mismatched_under_the_stream_faults(cluster):
+    """Runs last: decode0 (never restarted in this module) verified every
+    streamed receive of the faults above against prefill's digests."""
+    faults.assert_no_digest_mismatch(cluster)

@@ -19,7 +19,12 @@ from kvpush_lab.bench.outputs import publish as publish_bench
 from kvpush_lab.bench.prometheus import parse_samples
 from kvpush_lab.bench.sections import carry_sections, find_section, put_section
 from kvpush_lab.bench.workload import RequestSpec
-from kvpush_lab.soak.cli import build_parser, command_line, config_from_args
+from kvpush_lab.soak.cli import (
+    build_parser,
+    command_line,
+    config_from_args,
+    soak_cluster,
+)
 from kvpush_lab.soak.cli import publish as publish_soak
 from kvpush_lab.soak.config import SoakConfig
 from kvpush_lab.soak.counters import ConnectorCounters, read_counters, sum_counters
@@ -78,6 +83,7 @@ def test_flags_set_the_config() -> None:
         ({"prompt_len": "trace:x.jsonl"}, "no traces"),
         ({"prompt_len": "ten"}, "is not 'N'"),
         ({"prompt_len": "4000", "max_tokens": 200}, "exceeds max_model_len"),
+        ({"verify_kv": "some"}, "verify_kv must be one of off, sample, all"),
     ],
 )
 def test_bad_options_say_what_to_change(values: dict[str, Any], message: str) -> None:
@@ -392,6 +398,25 @@ def test_quarantined_blocks_fail_the_run() -> None:
     assert summary.problems == [
         "3 KV blocks quarantined (a receive passed its deadline without "
         "prefill's final word)"
+    ]
+
+
+def test_verify_kv_reaches_the_clusters_kvpush_settings(tmp_path: Path) -> None:
+    assert parse([]).verify_kv == "off"
+    config = parse(["--verify-kv", "all"])
+    cluster = soak_cluster(config, tmp_path / "model", tmp_path / "run")
+    assert (cluster.mode, cluster.verify_kv) == ("kvpush", "all")
+
+
+def test_a_digest_mismatch_fails_the_run() -> None:
+    """Decode caught bytes that differ from what prefill wrote: the request
+    recomputed, but the soak must say the transfer was corrupt."""
+    totals = {"digest_verified": 40, "digest_mismatch": 2}
+    counters = ConnectorCounters(num_instances=2, totals=totals)
+    summary = summarize(run_info(), [record()], CLEAN, 0, counters)
+    assert summary.problems == [
+        "2 KV digest mismatches (decode received bytes that differ from what "
+        "prefill wrote)"
     ]
 
 
