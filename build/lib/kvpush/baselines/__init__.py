@@ -1,1 +1,0 @@
-"""vLLM's own connectors, fixed just enough to be measured fairly on CPUs."""

@@ -1,2 +1,0 @@
-"""The decode side of KvPushConnector: registrations (scheduler), expected
-receives, Hellos and heartbeats (worker)."""
