@@ -289,7 +289,7 @@ def _add_make_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
-    from kvpush.launcher.cli import add_instance_options
+    from kvpush.launcher.cli import add_instance_options, gpu_list
     from kvpush.launcher.config import HOSTS
     from kvpush.model.presets import PRESETS
     from kvpush.topology import MODES
@@ -335,11 +335,18 @@ def _add_up(p: argparse.ArgumentParser) -> None:
         help="kvpush mode: the router's --binding (default: the router's, early)",
     )
     p.add_argument(
+        "--gpus",
+        type=gpu_list,
+        help="CUDA: comma-separated GPUs the instances take in turn, TP-many "
+        "each, as their CUDA_VISIBLE_DEVICES (default 0,1,2,...; an exported "
+        "CUDA_VISIBLE_DEVICES is replaced)",
+    )
+    p.add_argument(
         "--model-preset",
         choices=sorted(PRESETS),
         help="serve a named model shape, made on first use under "
-        "$KVPUSH_HOME/models (kv-heavy: 64 KiB of KV per token; it also sets "
-        "--kv-cache-space-gb 4 and --max-model-len 8192 unless given)",
+        "$KVPUSH_HOME/models (kv-heavy: 64 KiB of KV per token; on CPU it also "
+        "sets --kv-cache-space-gb 4 and --max-model-len 8192 unless given)",
     )
     add_instance_options(p)
     p.set_defaults(func=_cmd_up)
@@ -371,7 +378,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
     "base_side_channel_port", "startup_timeout_s", "hosts", "link_gbit",
-    "binding",
+    "binding", "gpus",
 )  # fmt: skip
 
 
@@ -379,10 +386,12 @@ def up_config(args: argparse.Namespace) -> Any:
     """The ClusterConfig from an optional file overlaid with given flags."""
     from kvpush.launcher.cli import INSTANCE_KEYS
     from kvpush.launcher.config import TP_KEYS, load_config_file, make_config
+    from kvpush.launcher.platform import resolve_platform
 
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
     keys = (*_UP_KEYS, *TP_KEYS, *INSTANCE_KEYS)
     values.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    values["platform"] = resolve_platform(values.get("platform", "auto"))
     if getattr(args, "model_preset", None) is not None:
         _apply_model_preset(values, args.model_preset)
     if values.get("mode") == "colocated":
@@ -392,8 +401,10 @@ def up_config(args: argparse.Namespace) -> Any:
 
 
 def _apply_model_preset(values: dict[str, Any], name: str) -> None:
-    """The preset's model (made on first use) and the settings it needs,
-    unless the file or the flags gave them."""
+    """The preset's model (made on first use) and the CPU sizes it needs
+    (on CUDA the model's context and vLLM's GPU memory do), unless the file
+    or the flags gave them."""
+    from kvpush.launcher.platform import Platform
     from kvpush.model.presets import ensure_preset, preset
 
     if values.get("model") is not None:
@@ -401,8 +412,9 @@ def _apply_model_preset(values: dict[str, Any], name: str) -> None:
     chosen = preset(name)
     print(f"kvpush: model preset {name} (made on first use)", file=sys.stderr)
     values["model"] = ensure_preset(env.kvpush_home(), name)
-    values.setdefault("kv_cache_space_gb", chosen.kv_cache_space_gb)
-    values.setdefault("max_model_len", chosen.max_model_len)
+    if values["platform"] == Platform.CPU:
+        values.setdefault("kv_cache_space_gb", chosen.kv_cache_space_gb)
+        values.setdefault("max_model_len", chosen.max_model_len)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

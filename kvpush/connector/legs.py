@@ -2,8 +2,12 @@
 
 A request's ``kv_transfer_params`` are parsed once into a typed
 :class:`~kvpush.transfer.messages.PrefillLeg` or
-:class:`~kvpush.transfer.messages.DecodeLeg`. Params that do not parse are
-logged, counted and ignored: the request is served locally.
+:class:`~kvpush.transfer.messages.DecodeLeg`: kvpush's own (a dict with
+``role``, :meth:`~kvpush.transfer.messages.TransferParams.from_dict`), else
+vLLM's P/D protocol (``do_remote_decode`` / ``do_remote_prefill``,
+:mod:`kvpush.connector.vllm_params`), whose prefill legs also keep their
+claim for prefill's answer (:meth:`Legs.vllm_prefill`). Params that do not
+parse are logged, counted and ignored: the request is served locally.
 
 One transfer id, one push. The first live request seen with a transfer id
 owns it. Another request with that id while the owner lives is refused
@@ -25,7 +29,9 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from kvpush.connector import vllm_params
 from kvpush.connector.counters import Counters
+from kvpush.connector.vllm_params import VllmPrefill
 from kvpush.transfer.messages import DecodeLeg, PrefillLeg, TransferParams
 
 logger = logging.getLogger(__name__)
@@ -44,6 +50,7 @@ class Legs:
         self._owner: dict[str, str] = {}  # transfer id -> request id
         self._first_of: dict[str, str] = {}  # sibling's request id -> owner's
         self._ended: OrderedDict[str, None] = OrderedDict()  # owner finished
+        self._vllm: dict[str, VllmPrefill] = {}  # request id -> its claim
 
     def of(self, request: Any) -> Leg | None:
         """The request's leg (None: not a kvpush request, or refused)."""
@@ -56,6 +63,11 @@ class Legs:
         """The owner of a sibling's transfer id (None: not a sibling)."""
         return self._first_of.get(request_id)
 
+    def vllm_prefill(self, request_id: str) -> VllmPrefill | None:
+        """The live request's vLLM-protocol prefill leg, with its claim
+        (None: not one, or refused)."""
+        return self._vllm.get(request_id)
+
     def is_live(self, request_id: str) -> bool:
         """The request was seen here and has not finished."""
         return request_id in self._legs
@@ -64,6 +76,7 @@ class Legs:
         """The request finished; an id it owned is never taken again."""
         leg = self._legs.pop(request_id, None)
         self._first_of.pop(request_id, None)
+        self._vllm.pop(request_id, None)
         if leg is not None and self._owner.get(leg.transfer_id) == request_id:
             del self._owner[leg.transfer_id]
             self._ended[leg.transfer_id] = None
@@ -77,16 +90,25 @@ class Legs:
         if not params:
             return None
         try:
-            leg = TransferParams.from_dict(params)
+            parsed = _translate(params)
         except ValueError as e:
             self._counters.add("rejected.params")
             logger.warning("request %s: ignoring kv_transfer_params: %s", rid, e)
             return None
-        tid = leg.transfer_id
+        leg = parsed.leg if isinstance(parsed, VllmPrefill) else parsed
+        if not self._may_own(rid, leg.transfer_id):
+            return None
+        if isinstance(parsed, VllmPrefill):
+            self._vllm[rid] = parsed
+        return leg
+
+    def _may_own(self, rid: str, tid: str) -> bool:
+        """Whether request ``rid`` may carry transfer ``tid``: it owns a
+        free id, or (``share_ids``) is a live owner's sibling."""
         owner = self._owner.get(tid)
         if owner is not None and self._share_ids:
             self._first_of[rid] = owner
-            return leg
+            return True
         if owner is not None or tid in self._ended:
             self._counters.add("rejected.duplicate")
             logger.warning(
@@ -95,6 +117,13 @@ class Legs:
                 tid,
                 f"request {owner}" if owner else "a request that finished",
             )
-            return None
+            return False
         self._owner[tid] = rid
-        return leg
+        return True
+
+
+def _translate(params: Any) -> PrefillLeg | DecodeLeg | VllmPrefill:
+    """kvpush's own params, else vLLM's; ``ValueError`` says what is wrong."""
+    if vllm_params.speaks_vllm(params):
+        return vllm_params.parse(params)
+    return TransferParams.from_dict(params)

@@ -16,7 +16,8 @@ The path, all of it vLLM's connector contract:
    line (:meth:`KvPushStats.reduce`) and calls
    :meth:`KvPushPromMetrics.observe`, which feeds the families below. They
    are made through vLLM's ``metric_types`` (vLLM's registry, its
-   ``model_name`` and ``engine`` labels, its multiprocess handling):
+   ``model_name`` and ``engine`` labels, its multiprocess handling), named
+   in :mod:`kvpush.telemetry.names` (``KVPUSH_*``):
 
 =====================================  =========  ===============================
 family                                 type       labels besides vLLM's
@@ -53,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvpush.connector.counters import Counters
 from kvpush.connector.phases import Phase, PhaseObservations
 from kvpush.connector.trace import Tracer
+from kvpush.telemetry import names
 
 logger = logging.getLogger(__name__)
 
@@ -215,54 +217,54 @@ class KvPushPromMetrics(KVConnectorPromMetrics):
         histogram = cast(type[Histogram], metric_types[Histogram])
         gauge = cast(type[Gauge], metric_types[Gauge])
         self._events = counter(
-            name="vllm:kvpush_events",
+            name=names.KVPUSH_EVENTS.name,
             documentation="kvpush connector events by name: expiries, aborts, "
             "failures by cause, fallbacks, rejected messages, lost peers, "
             "quarantined blocks (docs/architecture.md lists them).",
-            labelnames=[*labelnames, "event"],
+            labelnames=[*labelnames, *names.KVPUSH_EVENTS.labels],
         )
         self._phases = histogram(
-            name="vllm:kvpush_phase_seconds",
+            name=names.KVPUSH_PHASE_SECONDS.name,
             documentation="kvpush handover phases, each timed inside one "
             "process: prefill registration, write_setup, transfer, push; "
             "decode handover, decode_wait.",
-            labelnames=[*labelnames, "phase"],
+            labelnames=[*labelnames, *names.KVPUSH_PHASE_SECONDS.labels],
             buckets=PHASE_BUCKETS_S,
         )
         self._write_bytes = histogram(
-            name="vllm:kvpush_write_bytes",
+            name=names.KVPUSH_WRITE_BYTES.name,
             documentation="Bytes of one kvpush WRITE (prefill).",
             labelnames=labelnames,
             buckets=BYTES_BUCKETS,
         )
         self._write_descs = histogram(
-            name="vllm:kvpush_write_descriptors",
+            name=names.KVPUSH_WRITE_DESCRIPTORS.name,
             documentation="NIXL descriptors of one kvpush WRITE (prefill).",
             labelnames=labelnames,
             buckets=DESCRIPTOR_BUCKETS,
         )
         self._peer_handover = histogram(
-            name="vllm:kvpush_peer_handover_seconds",
+            name=names.KVPUSH_PEER_HANDOVER_SECONDS.name,
             documentation="kvpush handover per peer engine: on prefill its KV "
             "ready to the WRITE done (push), on decode the receive expected to "
             "the KV's arrival (handover).",
-            labelnames=[*labelnames, "peer"],
+            labelnames=[*labelnames, *names.KVPUSH_PEER_HANDOVER_SECONDS.labels],
             buckets=PHASE_BUCKETS_S,
         )
         self._bytes_in_flight = gauge(
-            name="vllm:kvpush_peer_bytes_in_flight",
+            name=names.KVPUSH_PEER_BYTES_IN_FLIGHT.name,
             documentation="Bytes of kvpush WRITEs posted to a peer engine and "
             "not done yet (prefill).",
-            labelnames=[*labelnames, "peer"],
+            labelnames=[*labelnames, *names.KVPUSH_PEER_BYTES_IN_FLIGHT.labels],
             multiprocess_mode="mostrecent",
         )
         self._quarantined = gauge(
-            name="vllm:kvpush_quarantined_blocks",
+            name=names.KVPUSH_QUARANTINED_BLOCKS.name,
             documentation="Decode KV blocks held past their deadline, waiting "
             "for the final word of (or a proof against) the prefill engine "
             "`peer`; above 0 for minutes means that prefill is unreachable "
             "(docs/architecture.md: What to alert on).",
-            labelnames=[*labelnames, "peer"],
+            labelnames=[*labelnames, *names.KVPUSH_QUARANTINED_BLOCKS.labels],
             multiprocess_mode="mostrecent",
         )
 

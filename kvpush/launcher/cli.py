@@ -11,6 +11,7 @@ from typing import Any
 
 from kvpush.connector.config import NIXL_BACKENDS, PUSH_GRANULARITIES
 from kvpush.launcher.config import DTYPES, FAILURE_POLICIES
+from kvpush.launcher.platform import PLATFORM_CHOICES, resolve_platform
 from kvpush.settings_file import read_settings_file
 from kvpush.topology import MODES
 from kvpush.transfer.digest import VERIFY_MODES
@@ -24,7 +25,7 @@ INSTANCE_KEYS = (
     "registration_ttl_s", "ready_ttl_s", "peer_timeout_s", "fault_injection",
     "nixl_backend", "ucx_net_devices", "insecure_side_channel",
     "side_channel_secret_file", "push_granularity", "verify_kv",
-    "verify_kv_sample",
+    "verify_kv_sample", "platform", "gpu_memory_utilization",
 )  # fmt: skip
 
 
@@ -48,11 +49,32 @@ def add_instance_options(p: argparse.ArgumentParser) -> None:
         "vLLM's baselines listen on this one",
     )
     p.add_argument("--run-dir", type=Path, help="logs, traces and state")
-    p.add_argument("--dtype", choices=DTYPES, help="default float32")
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument(
+        "--platform",
+        choices=PLATFORM_CHOICES,
+        help="what vLLM runs on: cpu or cuda; auto (default): cpu with vLLM's "
+        "CPU build, cuda with its CUDA build, without vLLM cuda when an "
+        "NVIDIA GPU is visible",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="default float32 on CPU, auto (the model's) on CUDA; on CPU auto "
+        "runs a float32 model in bfloat16",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, help="default 4096 on CPU, the model's on CUDA"
+    )
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument(
-        "--kv-cache-space-gb", type=int, help="VLLM_CPU_KVCACHE_SPACE per instance"
+        "--kv-cache-space-gb",
+        type=int,
+        help="CPU: VLLM_CPU_KVCACHE_SPACE per instance (default 1)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="CUDA: vLLM's --gpu-memory-utilization (default: vLLM's)",
     )
     p.add_argument(
         "--kv-load-failure-policy",
@@ -166,11 +188,20 @@ _SERVE_ONLY = (
 
 def core_list(text: str) -> tuple[int, ...]:
     """``--cores 0,1`` as CPU numbers."""
+    return _numbers(text, "--cores takes CPU numbers")
+
+
+def gpu_list(text: str) -> tuple[int, ...]:
+    """``--gpus 0,1`` as GPU numbers."""
+    return _numbers(text, "--gpus takes GPU numbers")
+
+
+def _numbers(text: str, what: str) -> tuple[int, ...]:
     try:
         return tuple(int(c) for c in text.split(","))
     except ValueError as e:
         raise argparse.ArgumentTypeError(
-            f"--cores takes CPU numbers separated by commas, not {text!r}"
+            f"{what} separated by commas, not {text!r}"
         ) from e
 
 
@@ -184,6 +215,7 @@ def serve_config(args: argparse.Namespace) -> Any:
     if unknown:
         raise ValueError(f"config file {args.config}: unknown keys {unknown}")
     values.update(given(args, _SERVE_ONLY + INSTANCE_KEYS))
+    values["platform"] = resolve_platform(values.get("platform", "auto"))
     values.setdefault(
         "mode", "colocated" if values.get("role") == "colocated" else "kvpush"
     )

@@ -18,6 +18,12 @@ from kvpush.connector.config import (
     check_push_granularity,
 )
 from kvpush.launcher.netns import MAX_LINK_GBIT
+from kvpush.launcher.platform import (
+    Platform,
+    as_platform,
+    check_kv_memory,
+    resolve_platform,
+)
 from kvpush.router.binding import check_policy
 from kvpush.settings_file import read_settings_file
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
@@ -29,7 +35,9 @@ from kvpush.transfer.digest import (
 )
 from kvpush.transfer.ranks import MAX_TP_SIZE
 
-DTYPES = ("float32", "bfloat16", "float16")
+# auto: vLLM's choice from the model's config (on CPU a float32 model then
+# runs in bfloat16, so the CPU default stays float32).
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 HOSTS = ("local", "netns")
 FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
@@ -104,6 +112,16 @@ class ClusterConfig:
 
     ``binding`` (kvpush mode) is the router's ``--binding`` (None: the
     router's default); see :mod:`kvpush.router.binding`.
+
+    ``platform`` (:mod:`kvpush.launcher.platform`) is what the instances run
+    on; the CLI detects it, a config built in code says it (default CPU).
+    Unset, ``dtype``, ``max_model_len`` and ``kv_cache_space_gb`` take its
+    defaults (CPU: float32, 4096, 1 GB; CUDA: the model's dtype and context
+    length; the KV space is CPU-only). On CUDA instance ``i`` gets the next
+    TP-many GPUs of ``gpus`` (default 0, 1, 2, ...) as
+    ``CUDA_VISIBLE_DEVICES``, no instance shares one, and cores are pinned
+    only when ``cores`` is given; ``gpu_memory_utilization`` (CUDA only) is
+    vLLM's ``--gpu-memory-utilization`` (None: vLLM's default).
     """
 
     mode: str = "vllm-pull"
@@ -115,10 +133,10 @@ class ClusterConfig:
     base_http_port: int = 8100
     base_side_channel_port: int = 5600
     run_dir: Path | None = None
-    dtype: str = "float32"
-    max_model_len: int = 4096
+    dtype: str | None = None
+    max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
-    kv_cache_space_gb: int = 1
+    kv_cache_space_gb: int | None = None
     cores: tuple[int, ...] = ()
     startup_timeout_s: float = 300.0
     extra_vllm_args: tuple[str, ...] = ()
@@ -143,11 +161,16 @@ class ClusterConfig:
     prefill_tp: int = 1
     decode_tp: int = 1
     colocated_tp: int = 1
+    platform: Platform = Platform.CPU
+    gpu_memory_utilization: float | None = None
+    gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        set_platform(self)
         _check_mode(self.mode)
         self._check_counts()
         self._check_tp()
+        self._check_gpus()
         self._check_ports()
         self._check_hosts()
         if self.binding is not None:
@@ -201,6 +224,27 @@ class ClusterConfig:
             "decode": self.decode_tp,
             "colocated": self.colocated_tp,
         }[role]
+
+    @property
+    def num_ranks(self) -> int:
+        """Worker ranks of the whole cluster (on CUDA, one GPU each)."""
+        if self.mode == "colocated":
+            return self.colocated_tp
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    def _check_gpus(self) -> None:
+        if self.platform == Platform.CPU:
+            _require(not self.gpus, "gpus are for --platform cuda; drop --gpus")
+            return
+        _require(
+            all(g >= 0 for g in self.gpus) and len(set(self.gpus)) == len(self.gpus),
+            f"gpus must be distinct GPU numbers >= 0, not {list(self.gpus)}",
+        )
+        _require(
+            not self.gpus or len(self.gpus) >= self.num_ranks,
+            f"the cluster runs {self.num_ranks} ranks, one GPU each, but gpus "
+            f"lists {len(self.gpus)}; give more GPUs or fewer instances/ranks",
+        )
 
     @property
     def side_channel_stride(self) -> int:
@@ -280,16 +324,22 @@ class InstanceSettings(Protocol):
     def mode(self) -> str: ...
 
     @property
-    def dtype(self) -> str: ...
+    def platform(self) -> Platform: ...
 
     @property
-    def max_model_len(self) -> int: ...
+    def dtype(self) -> str | None: ...
+
+    @property
+    def max_model_len(self) -> int | None: ...
 
     @property
     def max_num_batched_tokens(self) -> int | None: ...
 
     @property
-    def kv_cache_space_gb(self) -> int: ...
+    def kv_cache_space_gb(self) -> int | None: ...
+
+    @property
+    def gpu_memory_utilization(self) -> float | None: ...
 
     @property
     def extra_vllm_args(self) -> tuple[str, ...]: ...
@@ -335,14 +385,18 @@ def check_instance_settings(s: InstanceSettings) -> None:
     """Raise ValueError, saying what to change, unless ``s`` is valid."""
     _check_mode(s.mode)
     _require(
-        s.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, not {s.dtype!r}"
+        s.dtype is None or s.dtype in DTYPES,
+        f"dtype must be one of {', '.join(DTYPES)}, not {s.dtype!r}",
     )
-    _require(s.max_model_len >= 16, "max_model_len must be at least 16")
+    _require(
+        s.max_model_len is None or s.max_model_len >= 16,
+        "max_model_len must be at least 16 (or unset)",
+    )
     _require(
         s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 16,
         "max_num_batched_tokens must be at least 16 (or unset)",
     )
-    _require(s.kv_cache_space_gb >= 1, "kv_cache_space_gb must be at least 1")
+    check_kv_memory(s.platform, s.kv_cache_space_gb, s.gpu_memory_utilization)
     _require(
         s.kv_load_failure_policy in FAILURE_POLICIES,
         "kv_load_failure_policy must be recompute or error, "
@@ -369,6 +423,12 @@ def check_instance_settings(s: InstanceSettings) -> None:
         s.ucx_net_devices is None or bool(s.ucx_net_devices.strip()),
         "ucx_net_devices must name devices (e.g. mlx5_0:1 or eth0), or be unset",
     )
+
+
+def set_platform(settings: InstanceSettings) -> None:
+    """Turn a frozen config's ``platform`` field into a :class:`Platform`
+    (``auto`` is resolved where settings are read)."""
+    object.__setattr__(settings, "platform", as_platform(settings.platform))
 
 
 def check_secret(s: InstanceSettings, side_channel_bind_host: str) -> None:
@@ -462,14 +522,16 @@ def load_config_file(path: Path) -> dict[str, Any]:
 
 def make_config(values: dict[str, Any]) -> ClusterConfig:
     """Build a ClusterConfig from plain values (file or flags), converting
-    paths and lists; type errors become ValueErrors naming the key."""
+    paths and lists and resolving ``platform`` (unset: ``auto``, detected);
+    type errors become ValueErrors naming the key."""
     values = dict(values)
     for key in ("model", "run_dir", "side_channel_secret_file"):
         if values.get(key) is not None:
             values[key] = Path(values[key]).expanduser()
-    for key in ("cores", "extra_vllm_args"):
+    for key in ("cores", "extra_vllm_args", "gpus"):
         if key in values:
             values[key] = tuple(values[key])
+    values["platform"] = resolve_platform(values.get("platform", "auto"))
     try:
         return ClusterConfig(**values)
     except TypeError as e:

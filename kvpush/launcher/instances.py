@@ -18,16 +18,25 @@ from typing import Any
 
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
 from kvpush.launcher.netns import NetPlan
+from kvpush.launcher.platform import Platform
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
 
-# vLLM connector class loaded into each instance, per mode. The module path
-# always wins over vLLM's own registry.
-_CONNECTORS: dict[str, tuple[str, str]] = {
-    "vllm-pull": ("FairNixlConnector", "kvpush.baselines.fair_nixl"),
-    "vllm-push": ("FairNixlPushConnector", "kvpush.baselines.fair_nixl"),
-    "kvpush": ("KvPushConnector", "kvpush.connector.connector"),
+# vLLM connector loaded into each instance, per mode, by the name kvpush's
+# vLLM plugin registers (kvpush.vllm_plugin; no kv_connector_module_path).
+_CONNECTORS: dict[str, str] = {
+    "vllm-pull": "FairNixlConnector",
+    "vllm-push": "FairNixlPushConnector",
+    "kvpush": "KvPushConnector",
 }
+# On CUDA the baselines are vLLM's own connectors, unpatched, from its registry
+# (the fixes in kvpush.baselines are for CPU hosts).
+_VLLM_CONNECTORS: dict[str, str] = {
+    "vllm-pull": "NixlConnector",
+    "vllm-push": "NixlPushConnector",
+}
+PLUGINS_ENV = "VLLM_PLUGINS"  # vLLM's allowlist of plugins, when set
+PLUGIN = "kvpush"  # our entry point's name in vllm.general_plugins
 _KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -39,8 +48,9 @@ class InstanceSpec:
     topology names; ``side_channel_port`` the first of its ``tp``
     side-channel ports (rank ``r`` may listen on ``side_channel_port + r``);
     ``cores`` the CPU each of its ``tp`` ranks is bound to, in rank order
-    (empty: not pinned); ``run_dir`` holds its log, traces and fault file
-    (None: none of them).
+    (empty: not pinned); ``gpus`` (CUDA) the GPUs its ranks use, its
+    ``CUDA_VISIBLE_DEVICES`` (empty: whatever its environment shows it);
+    ``run_dir`` holds its log, traces and fault file (None: none of them).
     """
 
     role: Role
@@ -51,14 +61,16 @@ class InstanceSpec:
     cores: tuple[int, ...]
     run_dir: Path | None
     tp: int = 1
+    gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"instance {self.name}: tp must be >= 1, not {self.tp}")
-        if self.cores and len(self.cores) != self.tp:
-            raise ValueError(
-                f"instance {self.name}: {len(self.cores)} cores for {self.tp} ranks"
-            )
+        for what, ids in (("cores", self.cores), ("gpus", self.gpus)):
+            if ids and len(ids) != self.tp:
+                raise ValueError(
+                    f"instance {self.name}: {len(ids)} {what} for {self.tp} ranks"
+                )
 
     @property
     def cpus(self) -> frozenset[int]:
@@ -114,12 +126,16 @@ def plan_instances(
     """Every instance of the cluster, prefills first, each with its own
     ports, cores and log file; on ``network``'s hosts, each at its host's
     address (bound and advertised alike), else at ``config``'s. Ports follow
-    :class:`ClusterConfig`'s rule, cores :func:`core_shares`'."""
-    cores = config.cores or tuple(sorted(os.sched_getaffinity(0)))
+    :class:`ClusterConfig`'s rule, cores :func:`core_shares`' (on CUDA only
+    the cores given), GPUs :func:`gpu_shares`'."""
+    cores = config.cores
+    if not cores and config.platform == Platform.CPU:
+        cores = tuple(sorted(os.sched_getaffinity(0)))
     stride = config.side_channel_stride
     names = instance_names(config)
     tps = [config.tp_of(role) for role, _ in names]
     shares = core_shares(cores, tps)
+    gpus = gpu_shares(config, tps)
     specs = []
     for i, (role, name) in enumerate(names):
         addresses = config.addresses
@@ -135,9 +151,24 @@ def plan_instances(
                 cores=rank_cores(shares[i], tps[i]),
                 run_dir=run_dir,
                 tp=tps[i],
+                gpus=gpus[i],
             )
         )
     return specs
+
+
+def gpu_shares(config: ClusterConfig, tps: list[int]) -> list[tuple[int, ...]]:
+    """The GPUs of each instance, for instances with ``tps`` ranks, in order:
+    on CUDA the next ``tp`` of ``config.gpus`` (default 0, 1, 2, ...), one
+    per rank, never shared; on CPU none."""
+    if config.platform == Platform.CPU:
+        return [() for _ in tps]
+    pool = config.gpus or tuple(range(sum(tps)))
+    shares, first = [], 0
+    for tp in tps:
+        shares.append(pool[first : first + tp])
+        first += tp
+    return shares
 
 
 def core_shares(cores: tuple[int, ...], tps: list[int]) -> list[tuple[int, ...]]:
@@ -238,17 +269,18 @@ def kv_transfer_config(
     kvpush's connector also gets its side channel, NIXL backend, a trace
     directory (``RUN_DIR/traces``) for per-transfer timelines, any deadlines
     set in the config, and the fault file when asked for; the baselines get
-    the NIXL backend when it is not UCX (vLLM's ``backends``)."""
+    the NIXL backend when it is not UCX (vLLM's ``backends``). KV stays on
+    the platform's device; on CUDA the baselines are vLLM's own connectors."""
     if spec.role == "colocated":
         return None
     if config.mode not in _CONNECTORS:
         raise ValueError(f"mode {config.mode!r} has no connector available yet")
-    connector, module = _CONNECTORS[config.mode]
-    kv: dict[str, Any] = {
-        "kv_connector": connector,
-        "kv_connector_module_path": module,
+    kv: dict[str, Any] = {"kv_connector": _CONNECTORS[config.mode]}
+    if config.platform != Platform.CPU and config.mode in _VLLM_CONNECTORS:
+        kv = {"kv_connector": _VLLM_CONNECTORS[config.mode]}
+    kv |= {
         "kv_role": _KV_ROLES[spec.role],
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": config.platform.kv_buffer_device,
         "engine_id": spec.name,
         "kv_load_failure_policy": _VLLM_POLICY[config.kv_load_failure_policy],
     }
@@ -265,6 +297,11 @@ def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any
         "side_channel_port": spec.side_channel_port,
         "nixl_backend": config.nixl_backend,
     }
+    addresses = spec.addresses
+    if spec.role == "prefill" and (
+        addresses.side_channel_host != addresses.side_channel_bind_host
+    ):  # what prefill tells decodes in its answer to a vLLM P/D prefill leg
+        extra["side_channel_advertise_host"] = addresses.side_channel_host
     if spec.run_dir is not None:
         extra["trace_dir"] = str(spec.run_dir / "traces")
         if spec.role == "decode":  # where kvpush forget leaves its proofs
@@ -295,19 +332,26 @@ def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any
 def instance_command(
     config: InstanceSettings, spec: InstanceSpec, model: Path
 ) -> list[str]:
-    """The command line that starts one instance's OpenAI API server."""
+    """The command line that starts one instance's OpenAI API server. On
+    CPU: eager, served as the model directory's name, the platform's dtype
+    and context length unless given. On CUDA: CUDA graphs, served as the
+    ``--model`` value, the model's dtype and context length unless given."""
+    platform = config.platform
+    max_len = config.max_model_len or platform.default_max_model_len
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
-        "--served-model-name", model.name,
+        "--served-model-name", model.name if platform == Platform.CPU else str(model),
         "--host", spec.addresses.bind_host,
         "--port", str(spec.http_port),
-        "--dtype", config.dtype,
-        "--max-model-len", str(config.max_model_len),
+        "--dtype", config.dtype or platform.default_dtype,
+        *(() if max_len is None else ("--max-model-len", str(max_len))),
         "--tensor-parallel-size", str(spec.tp),
-        "--enforce-eager",
+        *(("--enforce-eager",) if platform == Platform.CPU else ()),
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
+    if config.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     kv_config = kv_transfer_config(config, spec)
@@ -318,13 +362,19 @@ def instance_command(
 
 def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str, str]:
     """The variables kvpush sets for one instance (over the inherited
-    environment): its ranks' cores, KV cache size, vLLM's side-channel address
-    (which the baselines bind and advertise: one listener per instance, on
-    its first port, answering for every rank), the NIC UCX may use. Never
-    the secret: see :func:`instance_env`."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gb)}
-    if spec.omp_threads_bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.omp_threads_bind
+    environment): on CPU its ranks' cores and KV cache size, on CUDA its GPUs
+    (when planned); vLLM's side-channel address (which the baselines bind
+    and advertise: one listener per instance, on its first port, answering
+    for every rank), the NIC UCX may use. Never the secret: see
+    :func:`instance_env`."""
+    env = {}
+    if config.platform == Platform.CPU:
+        space = config.kv_cache_space_gb or config.platform.default_kv_cache_space_gb
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(space)
+        if spec.omp_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.omp_threads_bind
+    elif spec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     env.update(
         VLLM_NIXL_SIDE_CHANNEL_HOST=spec.addresses.side_channel_host,
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_channel_port),
@@ -344,6 +394,10 @@ def instance_env(
     read from a file (an inherited ``KVPUSH_SIDE_CHANNEL_SECRET`` stays)."""
     env = dict(os.environ)
     env.update(instance_env_vars(config, spec))
+    plugins = env.get(PLUGINS_ENV)
+    if plugins is not None and PLUGIN not in plugins.split(","):
+        # vLLM loads only the plugins listed there: ours names the connector
+        env[PLUGINS_ENV] = ",".join(p for p in (plugins, PLUGIN) if p)
     if secret is not None:
         env[SECRET_ENV] = secret
     return env

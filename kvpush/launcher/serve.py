@@ -24,6 +24,7 @@ from kvpush.launcher.config import (
     check_instance_settings,
     check_secret,
     check_tp_size,
+    set_platform,
 )
 from kvpush.launcher.instances import (
     InstanceSpec,
@@ -32,6 +33,7 @@ from kvpush.launcher.instances import (
     instance_env_vars,
     rank_cores,
 )
+from kvpush.launcher.platform import Platform
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
 from kvpush.transfer.digest import DEFAULT_VERIFY_KV
@@ -58,7 +60,9 @@ class ServeConfig:
     ``run_dir`` receives kvpush's traces (and the fault file); None: no
     traces. ``model`` a model directory or a hub id (None:
     the tiny model). The other fields are those of
-    :class:`kvpush.launcher.config.ClusterConfig`.
+    :class:`kvpush.launcher.config.ClusterConfig`; on CUDA the instance
+    uses the GPUs its environment shows it (``CUDA_VISIBLE_DEVICES``, as a
+    service manager or Kubernetes sets it), and ``cores`` only pin it.
     """
 
     role: Role
@@ -75,10 +79,10 @@ class ServeConfig:
     core: int | None = None
     cores: tuple[int, ...] = ()
     tp: int = 1
-    dtype: str = "float32"
-    max_model_len: int = 4096
+    dtype: str | None = None
+    max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
-    kv_cache_space_gb: int = 1
+    kv_cache_space_gb: int | None = None
     extra_vllm_args: tuple[str, ...] = ()
     kv_load_failure_policy: str = "recompute"
     registration_ttl_s: float | None = None
@@ -92,8 +96,11 @@ class ServeConfig:
     ucx_net_devices: str | None = None
     insecure_side_channel: bool = False
     side_channel_secret_file: Path | None = None
+    platform: Platform = Platform.CPU
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
+        set_platform(self)
         if self.role not in ROLES:
             raise ValueError(
                 f"role must be one of {', '.join(ROLES)}, not {self.role!r}"

@@ -3,15 +3,16 @@ router's ``/metrics``.
 
 Every kvpush instance's vLLM exports the connector's events on its own
 ``/metrics`` as ``vllm:kvpush_events_total{model_name,engine,event}``
-(:mod:`kvpush.connector.stats`). In kvpush mode, each scrape of the
-router's ``/metrics`` first fetches every prefill and decode instance's
-``/metrics`` at once (:func:`scrape`; each bounded by
-:data:`SCRAPE_TIMEOUT_S`, on the app's client session), parses them with
-``prometheus_client``'s parser, sums each instance's events over vLLM's
+(:mod:`kvpush.connector.stats`; ``names.KVPUSH_EVENTS``). In kvpush mode,
+each scrape of the router's ``/metrics`` first fetches every prefill and
+decode instance's ``/metrics`` at once (:func:`scrape`; each bounded by
+:data:`SCRAPE_TIMEOUT_S`, on the app's client session), reads them
+(:mod:`kvpush.telemetry.reader`), sums each instance's events over vLLM's
 engines and serves them as ``kvpush_connector_events_total{engine_id,role,
-event}`` (:class:`ConnectorEvents`). An instance that does not answer in
-time, or answers something unparsable, is left out of that scrape (logged
-at debug level); one that restarted counts from 0 again (a counter reset).
+event}`` (:class:`ConnectorEvents`; ``names.CONNECTOR_EVENTS``). An
+instance that does not answer in time, or answers something unparsable, is
+left out of that scrape (logged at debug level); one that restarted counts
+from 0 again (a counter reset).
 """
 
 from __future__ import annotations
@@ -22,19 +23,18 @@ from collections.abc import Iterator, Sequence
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from kvpush.telemetry import names
+from kvpush.telemetry.reader import Exposition
 from kvpush.topology import Backend
 
 logger = logging.getLogger(__name__)
 
-SOURCE = "vllm:kvpush_events"  # the counter family on each instance
-METRIC = "kvpush_connector_events"  # served as kvpush_connector_events_total
 SCRAPE_TIMEOUT_S = 2.0
 HELP = (
     "kvpush connector events by instance, scraped from each instance's "
-    "vllm:kvpush_events_total (summed over its engines)."
+    f"{names.KVPUSH_EVENTS.total} (summed over its engines)."
 )
 
 # (engine_id, role, event) -> count
@@ -44,15 +44,7 @@ Totals = dict[tuple[str, str, str], float]
 def events_of(text: str) -> dict[str, float]:
     """The kvpush events in one instance's metrics text, summed over engines
     (``ValueError`` when the text does not parse)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != SOURCE:
-            continue
-        for sample in family.samples:
-            event = sample.labels.get("event")
-            if sample.name == f"{SOURCE}_total" and event:
-                out[event] = out.get(event, 0.0) + sample.value
-    return out
+    return Exposition.parse(text).by_label(names.KVPUSH_EVENTS, "event")
 
 
 async def scrape(
@@ -96,7 +88,9 @@ class ConnectorEvents(Collector):
         if not self.totals:
             return
         family = CounterMetricFamily(
-            METRIC, HELP, labels=["engine_id", "role", "event"]
+            names.CONNECTOR_EVENTS.name,
+            HELP,
+            labels=list(names.CONNECTOR_EVENTS.label_names),
         )
         for labels, count in sorted(self.totals.items()):
             family.add_metric(list(labels), count)

@@ -6,7 +6,8 @@ and the health monitor (``monitor.py``) record into one
 registry of its own (two routers in one process never share a series).
 ``GET /metrics`` serves :meth:`RouterMetrics.render`: these families, then
 the connector's events scraped from the instances (``connector_stats.py``).
-Every series carries the router's ``mode``.
+Every series carries the router's ``mode``; the families are named in
+:mod:`kvpush.telemetry.names` (``ROUTER_*``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
+
+from kvpush.telemetry import names
+from kvpush.telemetry.names import Family
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -34,63 +38,53 @@ class RouterMetrics:
         self.mode = mode
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
-        self._binding = Counter(
-            "kvpush_router_binding", "kvpush mode: binding of each attempt "
+        self._binding = _counter(
+            reg, names.ROUTER_BINDING, "kvpush mode: binding of each attempt "
             "(early: both legs at once; skip: no prefill leg) and why.",
-            ["mode", "binding", "reason"], registry=reg,
         )  # fmt: skip
-        self._decode_choice = Counter(
-            "kvpush_router_decode_choice", "kvpush mode: why each attempt's "
+        self._decode_choice = _counter(
+            reg, names.ROUTER_DECODE_CHOICE, "kvpush mode: why each attempt's "
             "decode was chosen (affinity, spill: the session's decode was too "
             "busy, prefix, load).",
-            ["mode", "reason"], registry=reg,
         )  # fmt: skip
-        self._requests = Counter(
-            "kvpush_router_requests", "Client requests by result.",
-            ["mode", "endpoint", "status"], registry=reg,
-        )  # fmt: skip
-        self._errors = Counter(
-            "kvpush_router_errors", "Errors by cause.", ["mode", "cause"], registry=reg
+        self._requests = _counter(
+            reg, names.ROUTER_REQUESTS, "Client requests by result."
         )
-        self._failures = Counter(
-            "kvpush_router_failures",
+        self._errors = _counter(reg, names.ROUTER_ERRORS, "Errors by cause.")
+        self._failures = _counter(
+            reg, names.ROUTER_FAILURES,
             "Failed attempts and requests by kind (a retried attempt counts too).",
-            ["mode", "cause"], registry=reg,
         )  # fmt: skip
-        self._retries = Counter(
-            "kvpush_router_retries", "Attempts retried on other instances.",
-            ["mode"], registry=reg,
-        )  # fmt: skip
-        self._transitions = Counter(
-            "kvpush_router_health_transitions", "Instances marked down or back up.",
-            ["mode", "instance", "role", "to"], registry=reg,
-        )  # fmt: skip
-        self._instance_healthy = Gauge(
-            "kvpush_router_instance_healthy",
+        self._retries = _counter(
+            reg, names.ROUTER_RETRIES, "Attempts retried on other instances."
+        )
+        self._transitions = _counter(
+            reg, names.ROUTER_HEALTH_TRANSITIONS, "Instances marked down or back up."
+        )
+        self._instance_healthy = _gauge(
+            reg, names.ROUTER_INSTANCE_HEALTHY,
             "1 if the router routes to the instance, 0 if marked down.",
-            ["mode", "instance", "role"], registry=reg,
         )  # fmt: skip
-        self._in_flight = Gauge(
-            "kvpush_router_requests_in_flight", "Client requests being served.",
-            ["mode"], registry=reg,
-        ).labels(mode)  # fmt: skip
+        self._in_flight = _gauge(
+            reg, names.ROUTER_REQUESTS_IN_FLIGHT, "Client requests being served."
+        ).labels(mode)
         self._latency = _histogram(
-            reg, "request_latency_seconds", "Client request latency seen by the "
-            "router.", "endpoint",
+            reg, names.ROUTER_REQUEST_LATENCY, "Client request latency seen by the "
+            "router.",
         )  # fmt: skip
         self._ttft = _histogram(
-            reg, "ttft_seconds", "Time to first byte or SSE event from the decode "
-            "backend.", "endpoint",
+            reg, names.ROUTER_TTFT, "Time to first byte or SSE event from the "
+            "decode backend.",
         )  # fmt: skip
         self._prefill = _histogram(
-            reg, "prefill_leg_seconds", "Duration of the prefill leg.", "outcome"
+            reg, names.ROUTER_PREFILL_LEG, "Duration of the prefill leg."
         )
-        self._handover = Histogram(
-            "kvpush_router_handover_seconds",
+        self._handover = _histogram(
+            reg, names.ROUTER_HANDOVER,
             "P/D modes: from the prefill leg's whole answer to decode's first "
             "byte or SSE event, as the router sees them; 0 when decode's came "
             "first (concurrent legs), so the decode-side wait after prefill.",
-            ["mode"], buckets=HANDOVER_BUCKETS_S, registry=reg,
+            HANDOVER_BUCKETS_S,
         ).labels(mode)  # fmt: skip
 
     def binding(self, binding: str, reason: str) -> None:
@@ -157,10 +151,20 @@ class RouterMetrics:
         return prometheus_client.generate_latest(self.registry).decode()
 
 
+def _counter(registry: CollectorRegistry, family: Family, help_text: str) -> Counter:
+    return Counter(family.name, help_text, family.label_names, registry=registry)
+
+
+def _gauge(registry: CollectorRegistry, family: Family, help_text: str) -> Gauge:
+    return Gauge(family.name, help_text, family.label_names, registry=registry)
+
+
 def _histogram(
-    registry: CollectorRegistry, short: str, help_text: str, label: str
+    registry: CollectorRegistry,
+    family: Family,
+    help_text: str,
+    buckets: tuple[float, ...] = LATENCY_BUCKETS_S,
 ) -> Histogram:
     return Histogram(
-        f"kvpush_router_{short}", help_text, ["mode", label],
-        buckets=LATENCY_BUCKETS_S, registry=registry,
-    )  # fmt: skip
+        family.name, help_text, family.label_names, buckets=buckets, registry=registry
+    )

@@ -17,21 +17,18 @@ What is read, from vLLM's own families and kvpush connector's:
   observations between two reads) and ``vllm:kvpush_peer_bytes_in_flight``
   (WRITE bytes posted to that decode and not done).
 
-Pure: no I/O and no clock (times are passed in); the router's event loop is
-its only caller, so it needs no locks.
+The families are named in :mod:`kvpush.telemetry.names` and read with its
+reader. Pure: no I/O and no clock (times are passed in); the router's event
+loop is its only caller, so it needs no locks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
+from kvpush.telemetry import names
+from kvpush.telemetry.reader import Exposition
 
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-HANDOVER = "vllm:kvpush_peer_handover_seconds"
-IN_FLIGHT = "vllm:kvpush_peer_bytes_in_flight"
 HANDOVER_SMOOTHING = 0.5  # weight of the newest window in the moving mean
 
 
@@ -53,31 +50,15 @@ class Scrape:
 
 def parse_scrape(text: str) -> Scrape:
     """The signals in one ``/metrics`` text (``ValueError`` if it does not parse)."""
-    sums: dict[str, float] = {}
-    found: dict[str, float] = {}
-    handover_sum: dict[str, float] = {}
-    handover_count: dict[str, float] = {}
-    in_flight: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            peer = sample.labels.get("peer", "")
-            if sample.name in (WAITING, RUNNING):
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-            elif sample.name == KV_USAGE:
-                found[KV_USAGE] = max(found.get(KV_USAGE, 0.0), sample.value)
-            elif sample.name == f"{HANDOVER}_sum" and peer:
-                handover_sum[peer] = handover_sum.get(peer, 0.0) + sample.value
-            elif sample.name == f"{HANDOVER}_count" and peer:
-                handover_count[peer] = handover_count.get(peer, 0.0) + sample.value
-            elif sample.name == IN_FLIGHT and peer:
-                in_flight[peer] = in_flight.get(peer, 0.0) + sample.value
+    metrics = Exposition.parse(text)
+    handover = names.KVPUSH_PEER_HANDOVER_SECONDS
     return Scrape(
-        num_waiting=_count(sums.get(WAITING)),
-        num_running=_count(sums.get(RUNNING)),
-        kv_usage=found.get(KV_USAGE),
-        handover_sum_s=handover_sum,
-        handover_count=handover_count,
-        bytes_in_flight=in_flight,
+        num_waiting=_count(metrics.total(names.NUM_REQUESTS_WAITING)),
+        num_running=_count(metrics.total(names.NUM_REQUESTS_RUNNING)),
+        kv_usage=metrics.highest(names.KV_CACHE_USAGE),
+        handover_sum_s=metrics.by_label(handover.sum, "peer"),
+        handover_count=metrics.by_label(handover.count, "peer"),
+        bytes_in_flight=metrics.by_label(names.KVPUSH_PEER_BYTES_IN_FLIGHT, "peer"),
     )
 
 

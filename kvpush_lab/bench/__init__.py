@@ -7,8 +7,8 @@ percentiles), ``timeline`` (server timelines and the handover phases),
 ``summary`` (the typed summary.json), ``report`` (markdown) and
 ``report_net`` (its multi-host rehearsal parts), ``links`` (bytes over the
 rehearsal links, CPU per GiB), ``bandwidth`` (achieved MiB/s per KV
-transfer, from kvpush's traces or vLLM's NIXL histograms), ``prometheus``
-(the samples of a ``/metrics`` text), ``sections``
+transfer, from kvpush's traces or vLLM's NIXL histograms; ``/metrics``
+read with ``kvpush.telemetry``), ``sections``
 (marked sections of BENCHMARKS.md; the soak, ``kvpush_lab.soak``, writes one
 too). I/O shells:
 ``inputs`` (model, tokenizer, traces), ``client`` (streaming HTTP),

@@ -38,16 +38,14 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from kvpush_lab.bench.prometheus import parse_samples
+from kvpush.telemetry import names
+from kvpush.telemetry.names import Family
+from kvpush.telemetry.reader import Exposition
 from kvpush_lab.bench.stats import Dist
 from kvpush_lab.bench.trace_files import trace_records
 
 MIB = 2**20
 MIN_MEASURED_BYTES = 32 * MIB
-XFER_TIME = "vllm:nixl_xfer_time_seconds"
-XFER_BYTES = "vllm:nixl_bytes_transferred"
-XFER_DESCS = "vllm:nixl_num_descriptors"
-XFER_POST = "vllm:nixl_post_time_seconds"
 Source = Literal["kvpush trace", "NIXL telemetry"]
 # What each configuration's transfer is, and where its timing comes from.
 TRANSFER_KIND: dict[str, tuple[str, Source]] = {
@@ -244,27 +242,24 @@ class NixlTransfers(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse_nixl_transfers(text: str) -> NixlTransfers:
     """The NIXL transfer histograms of one ``/metrics`` text (empty where an
-    instance exports none, as kvpush's and colocated ones)."""
+    instance exports none, as kvpush's and colocated ones; ``ValueError``
+    when the text does not parse)."""
+    metrics = Exposition.parse(text)
     return NixlTransfers(
-        seconds=_histogram(text, XFER_TIME),
-        num_bytes=_histogram(text, XFER_BYTES),
-        num_descs=_histogram(text, XFER_DESCS),
-        post_seconds=_histogram(text, XFER_POST),
+        seconds=_histogram(metrics, names.NIXL_XFER_TIME),
+        num_bytes=_histogram(metrics, names.NIXL_BYTES_TRANSFERRED),
+        num_descs=_histogram(metrics, names.NIXL_NUM_DESCRIPTORS),
+        post_seconds=_histogram(metrics, names.NIXL_POST_TIME),
     )
 
 
-def _histogram(text: str, name: str) -> Histogram:
-    buckets: dict[float, float] = {}
-    count = total = 0.0
-    for s in parse_samples(text):
-        if s.name == f"{name}_bucket" and "le" in s.labels:
-            le = float(s.labels["le"])
-            buckets[le] = buckets.get(le, 0.0) + s.value
-        elif s.name == f"{name}_count":
-            count += s.value
-        elif s.name == f"{name}_sum":
-            total += s.value
-    return Histogram(buckets=buckets, count=count, total=total)
+def _histogram(metrics: Exposition, family: Family) -> Histogram:
+    """``family`` summed over the engines."""
+    return Histogram(
+        buckets=metrics.buckets(family),
+        count=metrics.total(family.count) or 0.0,
+        total=metrics.total(family.sum) or 0.0,
+    )
 
 
 def from_nixl(

@@ -19,9 +19,10 @@ from collections import Counter
 from collections.abc import Iterable
 
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
-BINDING_COUNTER = "kvpush_router_binding_total"
+from kvpush.telemetry import names
+from kvpush.telemetry.reader import Exposition
+
 BINDING_HEADER = "x-kvpush-binding"  # as the router sends them
 DECODE_HEADER = "x-kvpush-decode"
 
@@ -42,16 +43,12 @@ class BindingMix(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse_counts(metrics_text: str) -> Counts:
     """The binding counter's samples summed per binding and reason (over
-    any other label, e.g. the router's mode); keys ``binding/reason``."""
-    out: Counter[str] = Counter()
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name != BINDING_COUNTER:
-                continue
-            labels = sample.labels
-            binding, reason = labels.get("binding", "?"), labels.get("reason", "?")
-            out[f"{binding}/{reason}"] += int(sample.value)
-    return dict(out)
+    any other label, e.g. the router's mode); keys ``binding/reason``
+    (``ValueError`` when the text does not parse)."""
+    counts = Exposition.parse(metrics_text).by_labels(
+        names.ROUTER_BINDING, ("binding", "reason")
+    )
+    return {f"{binding}/{reason}": round(n) for (binding, reason), n in counts.items()}
 
 
 def count_delta(before: Counts, after: Counts) -> Counts:

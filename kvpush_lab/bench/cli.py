@@ -53,10 +53,14 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--model-hidden-size", "model_hidden_size", int, "... and this hidden size"),
     ("--model-kv-heads", "model_kv_heads", int, "... and this many KV heads"),
     ("--model-head-dim", "model_head_dim", int, "... of this size (64)"),
-    ("--dtype", "dtype", None, "model dtype (float32)"),
+    ("--platform", "platform", None, "what the clusters run on: cpu, cuda or "
+     "auto (default: detected, as kvpush up --platform)"),
+    ("--dtype", "dtype", None, "model dtype (float32 on CPU, auto on CUDA)"),
     ("--max-model-len", "max_model_len", int, "per instance (4096)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "per instance"),
-    ("--kv-cache-space-gb", "kv_cache_space_gb", int, "per instance (1)"),
+    ("--kv-cache-space-gb", "kv_cache_space_gb", int, "per CPU instance (1)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float, "CUDA: vLLM's "
+     "--gpu-memory-utilization per instance (vLLM's default)"),
     ("--arrival", "arrival", None, "poisson (open loop, --qps) or concurrency"),
     ("--request-rate", "qps", None, "request rates to sweep, requests/s, "
      "Poisson arrivals (1,2,4,8; alias --qps)"),

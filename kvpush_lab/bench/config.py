@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.launcher.config import TP_KEYS, check_tp_size
+from kvpush.launcher.platform import PLATFORM_CHOICES
 from kvpush.model.presets import PRESETS as MODEL_PRESETS
 from kvpush.model.presets import preset as model_preset_of
 from kvpush.router.binding import check_policy
@@ -101,6 +102,13 @@ class BenchConfig:
     hosts' shaped egress) then gets a fresh set of clusters, every
     configuration side by side at that rate. An empty ``link_gbit`` leaves
     the links unshaped.
+
+    ``platform`` is what the clusters run on (``auto``: detected when the
+    run is planned, see :mod:`kvpush.launcher.platform`); unset, ``dtype``
+    is that platform's default (float32 on CPU, the model's on CUDA).
+    ``kv_cache_space_gb`` sizes CPU instances only; on CUDA
+    ``gpu_memory_utilization`` (None: vLLM's default) does. ``max_model_len``
+    bounds the workload and is given to every instance on either platform.
     """
 
     configs: tuple[str, ...] = DEFAULT_CONFIGS
@@ -112,7 +120,7 @@ class BenchConfig:
     model_hidden_size: int | None = None
     model_kv_heads: int | None = None
     model_head_dim: int | None = None
-    dtype: str = "float32"
+    dtype: str | None = None
     max_model_len: int = 4096
     max_num_batched_tokens: int | None = None
     kv_cache_space_gb: int = 1
@@ -163,6 +171,8 @@ class BenchConfig:
     label: str | None = None
     served_model: str | None = None
     tokenizer: Path | None = None
+    platform: str = "auto"
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         self._check_endpoint()
@@ -187,6 +197,11 @@ class BenchConfig:
         )
         self._check_model()
         self._check_hosts()
+        require(
+            self.platform in PLATFORM_CHOICES,
+            f"platform must be one of {', '.join(PLATFORM_CHOICES)}, "
+            f"not {self.platform!r}",
+        )
         for name in TP_KEYS:
             check_tp_size(name, getattr(self, name))
 
@@ -474,6 +489,8 @@ ENDPOINT_REFUSED: dict[str, str] = {
     "model_kv_heads": _CLUSTER,
     "model_head_dim": _CLUSTER,
     "dtype": _CLUSTER,
+    "platform": _CLUSTER,
+    "gpu_memory_utilization": _CLUSTER,
     "max_num_batched_tokens": _CLUSTER,
     "kv_cache_space_gb": _CLUSTER,
     "port": _CLUSTER,
@@ -509,6 +526,7 @@ _TUPLES = {
 _STRINGS = (
     "prompt_len", "output_len", "hosts", "workload", "model_preset",
     "churn_prompt_len", "churn_output_len", "base_url", "label", "served_model",
+    "platform",
 )  # fmt: skip
 
 

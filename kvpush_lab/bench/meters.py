@@ -59,7 +59,10 @@ async def read_meters(
     wants_nixl = TRANSFER_KIND.get(state.mode, ("", ""))[1] == "NIXL telemetry"
     meters.nixl.append(await read_nixl(session, urls) if wants_nixl else None)
     text = await _get_text(session, f"{state.router_url}/metrics")
-    meters.router.append(None if text is None else parse_leg_totals(text))
+    try:
+        meters.router.append(None if text is None else parse_leg_totals(text))
+    except ValueError:  # not metrics text: no reading
+        meters.router.append(None)
 
 
 async def read_nixl(
@@ -71,7 +74,10 @@ async def read_nixl(
         text = await _get_text(session, f"{url}/metrics")
         if text is None:
             return None
-        total = total.plus(parse_nixl_transfers(text))
+        try:
+            total = total.plus(parse_nixl_transfers(text))
+        except ValueError:  # not metrics text: no reading
+            return None
     return total
 
 

@@ -182,8 +182,14 @@ def _served_lines(summary: BenchSummary) -> list[str]:
 
 
 def _cores_line(s: dict[str, object]) -> str:
-    """How the instances ran: one core each at TP 1, else their TP."""
+    """How the instances ran: one core each at TP 1, else their TP (on
+    CUDA: one GPU per rank)."""
     tps = {k: s.get(f"{k}_tp") or 1 for k in ("prefill", "decode", "colocated")}
+    if s.get("platform") == "cuda":
+        return (
+            f"CUDA, one GPU per rank: prefill TP {tps['prefill']}, decode TP "
+            f"{tps['decode']}, colocated TP {tps['colocated']}"
+        )
     if set(tps.values()) == {1}:
         return "one core per instance"
     return (

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpush.telemetry import names
 from kvpush_lab.bench.fragment import Meanwhile, TransferDescs
 from kvpush_lab.bench.summary import BenchSummary, ConfigResult, PointInfo
 
@@ -77,8 +78,9 @@ def _figures(summary: BenchSummary, table: Table) -> str:
     return (
         "## Fragmented KV: descriptors per transfer and decoding meanwhile\n\n"
         "Descriptors per KV transfer: vLLM's from NIXL's telemetry "
-        "(`vllm:nixl_num_descriptors` and `vllm:nixl_post_time_seconds` on the "
-        "posting instance's `/metrics`, read around each point: the mean is "
+        f"(`{names.NIXL_NUM_DESCRIPTORS.name}` and "
+        f"`{names.NIXL_POST_TIME.name}` on the posting instance's `/metrics`, "
+        "read around each point: the mean is "
         "exact, the median and max known to a histogram bucket); kvpush's from "
         "prefill's trace, summed over a transfer's WRITEs (one descriptor per "
         "run of blocks contiguous on both sides, per layer; several WRITEs "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvpush.telemetry import names
 from kvpush_lab.bench.bandwidth import MIN_MEASURED_BYTES, BandwidthStats, shaped_mib_s
 from kvpush_lab.bench.links import MIB, cpu_per_gib, excess_cpu_s, per_gib
 from kvpush_lab.bench.stats import ratio
@@ -186,8 +187,8 @@ def bandwidth_section(summary: BenchSummary, table: Table) -> str:
         "(`write_posted`, once the post returned, to `write_done`, seen by "
         "prefill's 0.5 ms polls): the median and range are over WRITEs. "
         "vLLM's transfers are timed by NIXL's telemetry (post to completion) "
-        "and read from the histograms `vllm:nixl_xfer_time_seconds` and "
-        "`vllm:nixl_bytes_transferred` on the instances' `/metrics` around "
+        f"and read from the histograms `{names.NIXL_XFER_TIME.name}` and "
+        f"`{names.NIXL_BYTES_TRANSFERRED.name}` on the instances' `/metrics` around "
         "the point: their mean is exact, their median known only to the "
         "histogram's bucket (a range, for transfers of one size). Only "
         f"transfers of at least {MIN_MEASURED_BYTES // MIB} MiB are measured: "

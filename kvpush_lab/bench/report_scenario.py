@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpush.telemetry import names
 from kvpush_lab.bench.bindings import describe_counts, describe_share
 from kvpush_lab.bench.report_fragment import workload_line as fragmented_line
 from kvpush_lab.bench.report_saturation import workload_line as saturation_line
@@ -99,7 +100,7 @@ def _bindings(summary: BenchSummary, table: Table) -> str:
     return (
         "## Binding mix\n\nPer request, from kvpush's response headers "
         "(`x-kvpush-binding`, `x-kvpush-decode`; the baselines' router sends "
-        "none: –); then the router's `kvpush_router_binding_total{binding,"
+        f"none: –); then the router's `{names.ROUTER_BINDING.total}{{binding,"
         "reason}` gained over the measured run (every attempt, retries "
         "included, with its reason).\n\n" + table(header, rows)
     )

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpush_lab.bench.prometheus import parse_samples
-
-HANDOVER = "kvpush_router_handover_seconds"
-PREFILL_LEG = "kvpush_router_prefill_leg_seconds"
+from kvpush.telemetry import names
+from kvpush.telemetry.reader import Exposition
 
 
 class LegTotals(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,23 +46,15 @@ class RouterLegs(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def parse_leg_totals(text: str) -> LegTotals:
-    """The router's handover and successful prefill-leg totals."""
-    values = {"hc": 0.0, "hs": 0.0, "pc": 0.0, "ps": 0.0}
-    for s in parse_samples(text):
-        is_ok_prefill = s.labels.get("outcome") == "ok"
-        key = {
-            f"{HANDOVER}_count": "hc",
-            f"{HANDOVER}_sum": "hs",
-            f"{PREFILL_LEG}_count": "pc" if is_ok_prefill else "",
-            f"{PREFILL_LEG}_sum": "ps" if is_ok_prefill else "",
-        }.get(s.name, "")
-        if key:
-            values[key] += s.value
+    """The router's handover and successful prefill-leg totals (``ValueError``
+    when the text does not parse)."""
+    metrics = Exposition.parse(text)
+    handover, prefill = names.ROUTER_HANDOVER, names.ROUTER_PREFILL_LEG
     return LegTotals(
-        num_handovers=values["hc"],
-        handover_s=values["hs"],
-        num_prefills=values["pc"],
-        prefill_s=values["ps"],
+        num_handovers=metrics.total(handover.count) or 0.0,
+        handover_s=metrics.total(handover.sum) or 0.0,
+        num_prefills=metrics.total(prefill.count, outcome="ok") or 0.0,
+        prefill_s=metrics.total(prefill.sum, outcome="ok") or 0.0,
     )
 
 

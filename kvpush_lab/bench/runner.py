@@ -32,6 +32,7 @@ from rich.progress import Progress
 
 from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher import ClusterConfig
+from kvpush.launcher.platform import Platform, resolve_platform
 from kvpush.launcher.state import RunState
 from kvpush.model.kv_size import kv_bytes_per_token
 from kvpush_lab.bench import background, client, conversation, loadgen, rounds, scenario
@@ -106,6 +107,12 @@ class Plan:
     kv_bytes_per_token: int | None = None  # rehearsals: for the link tables
     requests: dict[str, scenario.Requests] | None = None  # per config, if salted
     vocab: tuple[int, ...] = ()  # the background load draws from it
+    platform: Platform = Platform.CPU  # what the clusters run on, resolved
+
+    @property
+    def dtype(self) -> str:
+        """The instances' dtype: the config's, else the platform's default."""
+        return self.config.dtype or self.platform.default_dtype
 
     def requests_of(self, name: str) -> scenario.Requests:
         """Configuration ``name``'s requests."""
@@ -145,27 +152,42 @@ def prepare(config: BenchConfig, console: Console) -> Plan:
         [*points, warmup, *(w for r in salted.values() for w in r.points), *churns],
         config.max_model_len,
     )
-    runs = plan_runs(config, model, out_dir)
-    per_token = (
-        kv_bytes_per_token(model, config.dtype) if config.hosts == "netns" else None
-    )
+    platform = resolve_platform(config.platform)
+    runs = plan_runs(config, model, out_dir, platform)
+    dtype = config.dtype or platform.default_dtype
+    if config.hosts == "netns" and dtype == "auto":
+        raise ValueError(
+            "--hosts netns counts the KV bytes on its links: give --dtype "
+            "(float32, bfloat16 or float16), not auto"
+        )
+    per_token = kv_bytes_per_token(model, dtype) if config.hosts == "netns" else None
     out_dir.mkdir(parents=True, exist_ok=True)
     return Plan(
-        config, model, out_dir, points, warmup, runs, per_token, salted, tuple(vocab)
-    )
+        config, model, out_dir, points, warmup, runs, per_token, salted,
+        tuple(vocab), platform,
+    )  # fmt: skip
 
 
-def plan_runs(config: BenchConfig, model: Path, out_dir: Path) -> tuple[Run, ...]:
+def plan_runs(
+    config: BenchConfig, model: Path, out_dir: Path, platform: Platform | None = None
+) -> tuple[Run, ...]:
     """Every cluster of the run, in order (:func:`rounds.round_order`): per
     round every link rate and configuration, a repeated run's clusters under
-    ``clusters/round-<k>/``, a fresh set each round."""
+    ``clusters/round-<k>/``, a fresh set each round; on ``platform`` (None:
+    the config's, resolved)."""
+    platform = platform or resolve_platform(config.platform)
     pairs = [(rate, name) for rate in config.link_rates for name in config.configs]
     runs = [
         Run(
             name,
             rate,
             cluster_config(
-                config, name, model, _run_dir(_round_dir(out_dir, r), name, rate), rate
+                config,
+                name,
+                model,
+                _run_dir(_round_dir(out_dir, r), name, rate),
+                rate,
+                platform,
             ),
             round=r,
         )
@@ -195,11 +217,15 @@ def cluster_config(
     model: Path,
     run_dir: Path,
     link_gbit: float | None = None,
+    platform: Platform | None = None,
 ) -> ClusterConfig:
     """The cluster of configuration ``name`` (at ``link_gbit`` on a
     rehearsal): its mode, for ``kvpush-<binding>`` its router's binding, for
     ``kvpush.<granularity>`` prefill's push granularity; every P/D mode
-    runs the same prefill and decode TP, so the baselines stay comparable."""
+    runs the same prefill and decode TP, so the baselines stay comparable.
+    On ``platform`` (None: the config's, resolved) with its dtype unless the
+    config gives one; the KV space is given on CPU only."""
+    platform = platform or resolve_platform(config.platform)
     mode, binding = cluster_of(name)
     is_pd = mode != "colocated"
     granularity = granularity_of(name) or DEFAULT_PUSH_GRANULARITY
@@ -213,10 +239,14 @@ def cluster_config(
         base_http_port=config.base_http_port,
         base_side_channel_port=config.base_side_channel_port,
         run_dir=run_dir,
-        dtype=config.dtype,
+        dtype=config.dtype or platform.default_dtype,
         max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_space_gb=config.kv_cache_space_gb,
+        kv_cache_space_gb=(
+            config.kv_cache_space_gb if platform == Platform.CPU else None
+        ),
+        platform=platform,
+        gpu_memory_utilization=config.gpu_memory_utilization,
         startup_timeout_s=config.startup_timeout_s,
         extra_vllm_args=block_size_args(config.block_size),
         hosts=config.hosts,
@@ -243,6 +273,8 @@ def run_bench(plan: Plan, console: Console, command: str) -> BenchSummary:
         versions=versions(),
         settings={
             **plan.config.to_dict(),
+            "platform": plan.platform.value,
+            "dtype": plan.dtype,
             "model_path": str(plan.model),
             "model_description": describe_model(plan.model),
         },

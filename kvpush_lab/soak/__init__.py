@@ -6,7 +6,7 @@ prompts), ``outcome`` (completed / aborted / failed / lost), ``leaks`` (KV
 blocks left after drain), ``report`` (soak.json, the markdown section).
 I/O: ``driver`` (sending, aborting, settling), ``counters`` (the
 connector's counters), ``cli`` (the command, also ``python -m
-kvpush_lab.soak``). It reuses the benchmark's cluster set-up, client,
-``prometheus`` (metrics text) and ``sections``: the soak depends on
-``kvpush_lab.bench``, never the reverse.
+kvpush_lab.soak``). It reuses the benchmark's cluster set-up, client and
+``sections`` (the soak depends on ``kvpush_lab.bench``, never the reverse),
+and reads ``/metrics`` with ``kvpush.telemetry``.
 """

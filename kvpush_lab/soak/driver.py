@@ -126,7 +126,7 @@ async def read_instance(
 async def read_router(session: aiohttp.ClientSession, url: str) -> int | None:
     try:
         return router_in_flight(await read_metrics(session, url))
-    except (aiohttp.ClientError, OSError, TimeoutError):
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
         return None
 
 
@@ -140,7 +140,7 @@ async def wait_routable(
     while True:
         try:
             down = router_unhealthy(await read_metrics(session, router_url)) or []
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
             down = [f"router metrics unreadable: {type(e).__name__}"]
         waited = time.monotonic() - started
         if not down or waited >= timeout_s:

@@ -12,24 +12,18 @@ router's ``kvpush_router_requests_in_flight`` should be back to 0 too (a
 warning only: it is a count, not a resource), and before the soak starts
 its ``kvpush_router_instance_healthy`` should be up everywhere.
 
-Pure functions of the metrics text; the soak fetches it.
+Pure functions of the metrics text (the families named in
+:mod:`kvpush.telemetry.names`, read with its reader); the soak fetches it.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from kvpush_lab.bench.prometheus import parse_samples
-
-USAGE = "vllm:kv_cache_usage_perc"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-CACHE_INFO = "vllm:cache_config_info"
-ROUTER_IN_FLIGHT = "kvpush_router_requests_in_flight"
-ROUTER_HEALTHY = "kvpush_router_instance_healthy"
+from kvpush.telemetry import names
+from kvpush.telemetry.reader import Exposition
 
 
 class KvReading(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,43 +64,60 @@ class KvReading(msgspec.Struct, frozen=True, kw_only=True):
 
 def read_kv(name: str, role: str, text: str) -> KvReading:
     """An instance's reading from its metrics text (summed over engines)."""
-    by_engine: dict[str, dict[str, float]] = defaultdict(dict)
-    for s in parse_samples(text):
-        engine = s.labels.get("engine", "")
-        if s.name in (USAGE, RUNNING, WAITING):
-            by_engine[engine][s.name] = s.value
-        elif s.name == CACHE_INFO and _is_int(s.labels.get("num_gpu_blocks")):
-            by_engine[engine]["blocks"] = int(s.labels["num_gpu_blocks"]) - 1
-    engines = [e for e in by_engine.values() if USAGE in e]
-    if not engines:
-        return KvReading(name=name, role=role, error=f"no {USAGE} in the metrics")
-    has_blocks = all("blocks" in e for e in engines)
+    try:
+        metrics = Exposition.parse(text)
+    except ValueError as e:
+        return KvReading(name=name, role=role, error=str(e))
+    usage = metrics.by_label(names.KV_CACHE_USAGE, "engine")
+    if not usage:
+        return KvReading(
+            name=name, role=role, error=f"no {names.KV_CACHE_USAGE.name} in the metrics"
+        )
+    blocks = _blocks_by_engine(metrics)
+    has_blocks = all(engine in blocks for engine in usage)
     return KvReading(
         name=name,
         role=role,
-        usage=max(e[USAGE] for e in engines),
-        num_blocks=sum(int(e["blocks"]) for e in engines) if has_blocks else None,
+        usage=max(usage.values()),
+        num_blocks=sum(blocks[e] for e in usage) if has_blocks else None,
         num_blocks_in_use=(
-            sum(round(e[USAGE] * e["blocks"]) for e in engines) if has_blocks else None
+            sum(round(u * blocks[e]) for e, u in usage.items()) if has_blocks else None
         ),
-        num_running=round(sum(e.get(RUNNING, 0.0) for e in engines)),
-        num_waiting=round(sum(e.get(WAITING, 0.0) for e in engines)),
+        num_running=_engines_sum(metrics, names.NUM_REQUESTS_RUNNING, usage),
+        num_waiting=_engines_sum(metrics, names.NUM_REQUESTS_WAITING, usage),
     )
 
 
-def _is_int(value: str | None) -> bool:
-    return value is not None and value.isdigit()
+def _blocks_by_engine(metrics: Exposition) -> dict[str, int]:
+    """Usable blocks per engine: ``num_gpu_blocks`` less vLLM's null block."""
+    out: dict[str, int] = {}
+    for sample in metrics.samples(names.CACHE_CONFIG_INFO):
+        engine = sample.labels.get("engine", "")
+        num_blocks = sample.labels.get("num_gpu_blocks", "")
+        if engine and num_blocks.isdigit():
+            out[engine] = int(num_blocks) - 1
+    return out
+
+
+def _engines_sum(
+    metrics: Exposition, family: names.Family, engines: Iterable[str]
+) -> int:
+    """``family`` summed over ``engines`` (those that report a KV usage)."""
+    per_engine = metrics.by_label(family, "engine")
+    return round(sum(per_engine.get(e, 0.0) for e in engines))
 
 
 def router_in_flight(text: str) -> int | None:
-    """The router's in-flight gauge (None when it does not export one)."""
-    values = [s.value for s in parse_samples(text) if s.name == ROUTER_IN_FLIGHT]
-    return round(sum(values)) if values else None
+    """The router's in-flight gauge (None when it does not export one;
+    ``ValueError`` when the text does not parse)."""
+    value = Exposition.parse(text).total(names.ROUTER_REQUESTS_IN_FLIGHT)
+    return None if value is None else round(value)
 
 
 def router_unhealthy(text: str) -> list[str] | None:
-    """Instances the router has marked down (None: no health gauge)."""
-    samples = [s for s in parse_samples(text) if s.name == ROUTER_HEALTHY]
+    """Instances the router has marked down (None: no health gauge;
+    ``ValueError`` when the text does not parse)."""
+    samples = Exposition.parse(text).samples(names.ROUTER_INSTANCE_HEALTHY)
     if not samples:
         return None
     return sorted(s.labels.get("instance", "?") for s in samples if s.value != 1.0)

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from kvpush.telemetry import names
 from kvpush_lab.bench.report import table
 from kvpush_lab.bench.stats import Dist, e2e_s, ttft_s
 from kvpush_lab.soak.counters import ConnectorCounters
@@ -257,7 +258,8 @@ def _kv(summary: SoakSummary) -> str:
 def _counters(counters: ConnectorCounters) -> str:
     where = f"{counters.num_instances} instances' `/metrics`"
     if not counters.totals:
-        return f"Connector counters: no `vllm:kvpush_events_total` on the {where}."
+        events = names.KVPUSH_EVENTS.total
+        return f"Connector counters: no `{events}` on the {where}."
     totals = ", ".join(f"`{k}` {v}" for k, v in counters.totals.items())
     return f"Connector counters, summed over the {where}: {totals}."
 

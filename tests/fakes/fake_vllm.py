@@ -33,6 +33,7 @@ import prometheus_client
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvpush.telemetry import names
 from kvpush.topology import Backend, Role
 
 DEFAULT_MAX_TOKENS = 8
@@ -357,27 +358,23 @@ def vllm_metrics_text(
     """A vLLM ``/metrics`` with the connector's events and the load gauges."""
     load = load or Load()
     registry = prometheus_client.CollectorRegistry()
-    labels = ("fake-model", "0")
-    usage = prometheus_client.Gauge(
-        "vllm:kv_cache_usage_perc", "KV-cache usage.", ["model_name", "engine"],
-        registry=registry,
-    )  # fmt: skip
-    usage.labels(*labels).set(load.kv_usage)
-    for name, value in (
-        ("vllm:num_requests_waiting", load.num_waiting),
-        ("vllm:num_requests_running", load.num_running),
+    engine = ("fake-model", "0")  # vLLM's labels: model_name, engine
+    for family, value in (
+        (names.KV_CACHE_USAGE, load.kv_usage),
+        (names.NUM_REQUESTS_WAITING, load.num_waiting),
+        (names.NUM_REQUESTS_RUNNING, load.num_running),
     ):
         if value is not None:
             gauge = prometheus_client.Gauge(
-                name, name, ["model_name", "engine"], registry=registry
+                family.name, family.name, family.label_names, registry=registry
             )
-            gauge.labels(*labels).set(value)
+            gauge.labels(*engine).set(value)
     events = prometheus_client.Counter(
-        "vllm:kvpush_events", "kvpush connector events.",
-        ["model_name", "engine", "event"], registry=registry,
+        names.KVPUSH_EVENTS.name, "kvpush connector events.",
+        names.KVPUSH_EVENTS.label_names, registry=registry,
     )  # fmt: skip
     for event, count in connector_events.items():
-        events.labels(*labels, event).inc(count)
+        events.labels(*engine, event).inc(count)
     return prometheus_client.generate_latest(registry).decode()
 
 

@@ -27,6 +27,14 @@ _port_blocks = itertools.count()
 SMOKE_CLASSES = frozenset({"test_pd_matches_colocated.py::TestKvPush"})
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "long: a real-cluster suite of many minutes (test_restarts.py); "
+        "deselect with -m 'not long'",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         cls = getattr(item, "cls", None)

@@ -26,6 +26,7 @@ from kvpush import client
 from kvpush.launcher import process as proc
 from kvpush.launcher.instances import FAULT_FILE
 from kvpush.router.connector_stats import events_of
+from kvpush.telemetry.reader import Name
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -82,8 +83,9 @@ def instance_metrics(cluster: Cluster, name: str) -> str:
         return str(resp.read().decode())
 
 
-def instance_metric(cluster: Cluster, name: str, sample: str, **labels: str) -> float:
-    """One sample (summed over vLLM's engines) of instance ``name``; 0 if absent."""
+def instance_metric(cluster: Cluster, name: str, sample: Name, **labels: str) -> float:
+    """One sample (a family or a sample name; summed over vLLM's engines) of
+    instance ``name``; 0 if absent."""
     return metric(instance_metrics(cluster, name), sample, **labels) or 0.0
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from kvpush import client
+from kvpush.telemetry import names
 from tests.fakes.fake_nixl import wait_for
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
@@ -104,21 +105,21 @@ def test_a_push_is_timed_on_both_instances_vllm_metrics(cluster, reference):
     with its own clock, per phase and per peer."""
     assert_pushed(cluster, reference, 27)
 
-    def seen(name: str, sample: str, **labels: str) -> float:
+    def seen(name: str, sample: str | names.Family, **labels: str) -> float:
         return faults.instance_metric(cluster, name, sample, **labels)
 
-    phase = "vllm:kvpush_phase_seconds_count"
-    pair = "vllm:kvpush_peer_handover_seconds"
+    phase = names.KVPUSH_PHASE_SECONDS.count
+    pair = names.KVPUSH_PEER_HANDOVER_SECONDS
     for p in ("registration", "write_setup", "transfer", "push"):
         assert seen("prefill0", phase, phase=p) >= 1, p
-    assert seen("prefill0", f"{pair}_count", peer="decode0") >= 1
-    assert seen("prefill0", "vllm:kvpush_write_bytes_sum") > 0
-    assert seen("prefill0", "vllm:kvpush_write_descriptors_count") >= 1
+    assert seen("prefill0", pair.count, peer="decode0") >= 1
+    assert seen("prefill0", names.KVPUSH_WRITE_BYTES.sum) > 0
+    assert seen("prefill0", names.KVPUSH_WRITE_DESCRIPTORS.count) >= 1
     for p in ("handover", "decode_wait"):
         assert seen("decode0", phase, phase=p) >= 1, p
-    assert seen("decode0", f"{pair}_count", peer="prefill0") >= 1
-    assert seen("decode0", f"{pair}_sum", peer="prefill0") > 0
-    bytes_in_flight = "vllm:kvpush_peer_bytes_in_flight"
+    assert seen("decode0", pair.count, peer="prefill0") >= 1
+    assert seen("decode0", pair.sum, peer="prefill0") > 0
+    bytes_in_flight = names.KVPUSH_PEER_BYTES_IN_FLIGHT
     assert seen("prefill0", bytes_in_flight, peer="decode0") == 0  # all landed
 
 

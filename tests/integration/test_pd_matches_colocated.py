@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
+from tests.integration.test_vllm_protocol import VllmProtocolChecks
 
 pytestmark = pytest.mark.integration
 
@@ -120,11 +121,13 @@ class TestVllmPush(PDChecks):
     mode = "vllm-push"
 
 
-class TestKvPush(PDChecks):
+class TestKvPush(PDChecks, VllmProtocolChecks):
     """kvpush's connector as users get it, with chunked prefill (256-token
     chunks, so the long prompts take several): the default granularity,
     ``auto``, which on the tiny model pushes per chunk (a chunk's KV per layer,
-    256 KiB, is below ``layer_push_min_bytes``) with the per-layer hooks on."""
+    256 KiB, is below ``layer_push_min_bytes``) with the per-layer hooks on.
+    Also behind a router speaking vLLM's own P/D protocol (its checks run
+    first: a later base's tests come before an earlier one's)."""
 
     mode = "kvpush"
     cluster_options: ClassVar[dict[str, Any]] = {

@@ -30,6 +30,7 @@ from kvpush import client
 from kvpush.launcher import ClusterConfig, down, up
 from kvpush.launcher import process as proc
 from kvpush.launcher.state import TOPOLOGY_FILE
+from kvpush.telemetry import names
 from tests.fakes.metrics import metric
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
@@ -187,7 +188,7 @@ def test_a_conversations_second_turn_skips_prefill_on_the_same_decode(
     pushed = _send(xpyd.urls["early"], second_body, {"x-session-id": "other"})
     assert workload.mismatch(pushed, second) is None, workload.mismatch(pushed, second)
     counts = _router_metrics(xpyd.urls["auto"])
-    assert metric(counts, "kvpush_router_binding_total", binding="skip") >= 1
+    assert metric(counts, names.ROUTER_BINDING, binding="skip") >= 1
 
 
 def test_no_blocks_held_after_the_requests(xpyd: Routers) -> None:
@@ -296,7 +297,7 @@ def _router_prefill_legs(url: str) -> float:
     answered, closes its connection; vLLM then counts no success, although
     the KV was computed and pushed."""
     text = _router_metrics(url)
-    return metric(text, "kvpush_router_prefill_leg_seconds_count") or 0.0
+    return metric(text, names.ROUTER_PREFILL_LEG.count) or 0.0
 
 
 def _settled_prefill_requests(
@@ -321,5 +322,5 @@ def _prefill_requests(cluster: Cluster) -> float:
     total = 0.0
     for name in PREFILLS:
         with urllib.request.urlopen(f"{cluster.instance_url(name)}/metrics") as resp:
-            total += metric(resp.read().decode(), "vllm:request_success_total") or 0.0
+            total += metric(resp.read().decode(), names.REQUEST_SUCCESS) or 0.0
     return total

@@ -19,6 +19,8 @@ import msgspec
 from kvpush import client
 from kvpush.launcher.state import TOPOLOGY_FILE
 from kvpush.router.requests import PushDecodeParams, RemoteDecodeParams
+from kvpush.telemetry import names
+from kvpush.telemetry.reader import Exposition
 from kvpush.topology import load_topology
 from kvpush.transfer.messages import DecodeLeg, PrefillLeg
 
@@ -147,14 +149,12 @@ def kv_cache_usage(instance_url: str) -> float:
     KV blocks held by requests (prefix-cached free blocks do not count)."""
     with urllib.request.urlopen(f"{instance_url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:kv_cache_usage_perc")
-    ]
-    if not values:
-        raise AssertionError(f"{instance_url}/metrics has no vllm:kv_cache_usage_perc")
-    return max(values)
+    usage = Exposition.parse(text).highest(names.KV_CACHE_USAGE)
+    if usage is None:
+        raise AssertionError(
+            f"{instance_url}/metrics has no {names.KV_CACHE_USAGE.name}"
+        )
+    return usage
 
 
 def kvpush_legs(cluster: Any, tid: str) -> tuple[PrefillLeg, DecodeLeg]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.telemetry import names
 from kvpush_lab.bench.bandwidth import (
     MIB,
     from_nixl,
@@ -29,8 +30,8 @@ def exposition(durations: list[float], sizes: list[int], engine: str = "0") -> s
     labels = f'engine="{engine}",model_name="m"'
     lines = []
     for name, values, bounds in (
-        ("vllm:nixl_xfer_time_seconds", durations, TIME_BOUNDS),
-        ("vllm:nixl_bytes_transferred", sizes, BYTE_BOUNDS),
+        (names.NIXL_XFER_TIME.name, durations, TIME_BOUNDS),
+        (names.NIXL_BYTES_TRANSFERRED.name, sizes, BYTE_BOUNDS),
     ):
         lines += [f"# HELP {name} x", f"# TYPE {name} histogram"]
         for le in (*bounds, float("inf")):

@@ -29,6 +29,7 @@ from kvpush.connector.stats import (
     take_stats,
 )
 from kvpush.connector.trace import Tracer
+from kvpush.telemetry import names
 from tests.fakes.metrics import metric
 
 MIB = 2**20
@@ -242,17 +243,17 @@ def test_observe_feeds_the_vllm_kvpush_families_with_vllms_labels() -> None:
     prom.observe(KvPushStats.of(StatsData(events={"expired.ready": 1})).to_dict(), 1)
     text = generate_latest(registry).decode()
     engine = {"model_name": "tiny", "engine": "1"}
-    events = "vllm:kvpush_events_total"
+    events = names.KVPUSH_EVENTS
     assert metric(text, events, **engine, event="expired.ready") == 3
     assert metric(text, events, **engine, event="quarantined.blocks") == 5
-    phases = "vllm:kvpush_phase_seconds_count"
+    phases = names.KVPUSH_PHASE_SECONDS.count
     for phase in ("registration", "write_setup", "transfer", "push"):
         assert metric(text, phases, **engine, phase=phase) == 1
-    handover = "vllm:kvpush_peer_handover_seconds_count"
+    handover = names.KVPUSH_PEER_HANDOVER_SECONDS.count
     assert metric(text, handover, **engine, peer="decode0") == 1
-    assert metric(text, "vllm:kvpush_write_bytes_sum", **engine) == 3 * MIB
-    assert metric(text, "vllm:kvpush_write_descriptors_sum", **engine) == 24
-    in_flight = "vllm:kvpush_peer_bytes_in_flight"
+    assert metric(text, names.KVPUSH_WRITE_BYTES.sum, **engine) == 3 * MIB
+    assert metric(text, names.KVPUSH_WRITE_DESCRIPTORS.sum, **engine) == 24
+    in_flight = names.KVPUSH_PEER_BYTES_IN_FLIGHT
     assert metric(text, in_flight, **engine, peer="decode0") == 0
     assert metric(text, events, engine="0") is None
 
@@ -264,7 +265,7 @@ def test_observations_reach_the_right_buckets() -> None:
     data = msgspec.to_builtins(StatsData(phases=observed.phases))
     prom.observe(data)
     text = generate_latest(registry).decode()
-    bucket = "vllm:kvpush_phase_seconds_bucket"
+    bucket = names.KVPUSH_PHASE_SECONDS.bucket
     assert metric(text, bucket, phase="transfer", le="0.005") == 1
     assert metric(text, bucket, phase="transfer", le="0.25") == 2
 
@@ -277,7 +278,7 @@ def test_decodes_quarantined_blocks_reach_their_gauge_by_prefill() -> None:
     held = take_stats(Counters(), Tracer("", "d0"), {"prefill0": 3})
     assert held is not None and held.payload.quarantined_blocks == {"prefill0": 3}
     prom.observe(held.to_dict())
-    gauge = "vllm:kvpush_quarantined_blocks"
+    gauge = names.KVPUSH_QUARANTINED_BLOCKS
     text = generate_latest(registry).decode()
     assert metric(text, gauge, model_name="tiny", engine="0", peer="prefill0") == 3
     released = KvPushStats.of(StatsData(quarantined_blocks={"prefill0": 0}))

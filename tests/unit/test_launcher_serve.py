@@ -75,21 +75,20 @@ def test_exact_argv_and_env_per_role_and_mode(
     name = f"{role}-10.250.0.1-8200"
     kv = {
         "kv_connector": connector,
-        "kv_connector_module_path": (
-            "kvpush.connector.connector"
-            if mode == "kvpush"
-            else "kvpush.baselines.fair_nixl"
-        ),
         "kv_role": kv_role,
         "kv_buffer_device": "cpu",
         "engine_id": name,
         "kv_load_failure_policy": "recompute",
     }
     if mode == "kvpush":
-        kv["kv_connector_extra_config"] = {
+        extra: dict[str, object] = {
             "side_channel_host": "0.0.0.0",
             "side_channel_port": 5700,
             "nixl_backend": "UCX",
+        }
+        if role == "prefill":  # its answer to a vLLM P/D leg names this host
+            extra["side_channel_advertise_host"] = "10.250.0.1"
+        kv["kv_connector_extra_config"] = extra | {
             "insecure_side_channel": True,
             # prefill streams by default; decode pushes nothing
             "push_granularity": "auto" if role == "prefill" else "request",
@@ -181,6 +180,23 @@ def test_serve_execs_vllm_with_its_env_and_the_secret() -> None:
     assert env[SECRET_ENV] == "s3cr3t"
     assert env == instance_env(config, config.spec(), "s3cr3t")
     assert "s3cr3t" not in " ".join(argv)
+
+
+@pytest.mark.parametrize(
+    ("allowlist", "expected"),
+    [(None, None), ("", "kvpush"), ("lora", "lora,kvpush"), ("kvpush,x", "kvpush,x")],
+)
+def test_vllms_plugin_allowlist_keeps_kvpush_in(
+    allowlist: str | None, expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connectors are named as kvpush's vLLM plugin registers them: an
+    instance whose VLLM_PLUGINS left the plugin out would not find them."""
+    if allowlist is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", allowlist)
+    config = ServeConfig(role="decode", mode="kvpush")
+    assert instance_env(config, config.spec()).get("VLLM_PLUGINS") == expected
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import pytest
 
 from kvpush.router.config import RoutingConfig
 from kvpush.router.prefix import rendezvous_order
+from kvpush.telemetry import names
 from tests.fakes import Fault, Load, Routed, expected_text, prompt_text, routed
 from tests.fakes.metrics import metric
 
@@ -34,10 +35,7 @@ def _tokenizing(r: Routed) -> None:
 
 
 def _binding_count(text: str, binding: str, reason: str) -> float:
-    return (
-        metric(text, "kvpush_router_binding_total", binding=binding, reason=reason)
-        or 0.0
-    )
+    return metric(text, names.ROUTER_BINDING, binding=binding, reason=reason) or 0.0
 
 
 async def _post(r: Routed, body: dict[str, Any], session: str | None = None):
@@ -106,7 +104,7 @@ async def test_a_prompt_that_cannot_be_counted_binds_early() -> None:
         assert reply.headers["x-kvpush-binding"] == "early"
         metrics = (await r.get("/metrics")).body.decode()
     assert _binding_count(metrics, "early", "tokens_unknown") == 1
-    assert metric(metrics, "kvpush_router_errors_total", cause="tokenize_failed") == 1
+    assert metric(metrics, names.ROUTER_ERRORS, cause="tokenize_failed") == 1
 
 
 async def test_a_short_prompt_skips_and_token_ids_need_no_count() -> None:

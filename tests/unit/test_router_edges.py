@@ -21,6 +21,7 @@ from kvpush.router.dispatch import FLOWS
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.requests import parse_request
 from kvpush.router.selection import RoundRobinSelector
+from kvpush.telemetry import names
 from kvpush.topology import Backend, Topology, dump_topology
 from tests.fakes import dead_url, routed
 from tests.fakes.metrics import families, metric
@@ -272,16 +273,16 @@ def test_metrics_render_prometheus_text() -> None:
     metrics.error("timeout")
     text = metrics.render()
     push = {"mode": "vllm-push"}
-    requests = "kvpush_router_requests_total"
+    requests = names.ROUTER_REQUESTS
     assert metric(text, requests, **push, endpoint="chat", status="200") == 1
-    assert metric(text, "kvpush_router_errors_total", **push, cause="timeout") == 1
-    assert metric(text, "kvpush_router_requests_in_flight", **push) == 0
-    ttft = "kvpush_router_ttft_seconds_bucket"
+    assert metric(text, names.ROUTER_ERRORS, **push, cause="timeout") == 1
+    assert metric(text, names.ROUTER_REQUESTS_IN_FLIGHT, **push) == 0
+    ttft = names.ROUTER_TTFT.bucket
     assert metric(text, ttft, **push, endpoint="chat", le="0.05") == 1
     assert metric(text, ttft, **push, endpoint="chat", le="0.025") == 0
-    prefill = "kvpush_router_prefill_leg_seconds_count"
+    prefill = names.ROUTER_PREFILL_LEG.count
     assert metric(text, prefill, **push, outcome="ok") == 1
-    assert families(text)["kvpush_router_request_latency_seconds"] == "histogram"
+    assert families(text)[names.ROUTER_REQUEST_LATENCY.name] == "histogram"
     assert "_created" not in text
 
 
@@ -297,17 +298,17 @@ async def test_metrics_endpoint_counts_served_and_refused_requests() -> None:
     assert reply.headers["Content-Type"].startswith("text/plain")
     pull = {"mode": "vllm-pull"}
     completions = {**pull, "endpoint": "completions"}
-    requests = "kvpush_router_requests_total"
+    requests = names.ROUTER_REQUESTS
     assert metric(text, requests, **completions, status="200") == 1
     assert metric(text, requests, **completions, status="400") == 1
     assert metric(text, requests, **pull, endpoint="chat", status="200") == 1
-    assert metric(text, "kvpush_router_errors_total", **pull, cause="bad_request") == 1
-    assert metric(text, "kvpush_router_ttft_seconds_count", **completions) == 1
-    prefill = "kvpush_router_prefill_leg_seconds_count"
+    assert metric(text, names.ROUTER_ERRORS, **pull, cause="bad_request") == 1
+    assert metric(text, names.ROUTER_TTFT.count, **completions) == 1
+    prefill = names.ROUTER_PREFILL_LEG.count
     assert metric(text, prefill, **pull, outcome="ok") == 2
     # pull: decode starts only after prefill answered, so each handover is > 0
-    assert metric(text, "kvpush_router_handover_seconds_count", **pull) == 2
-    assert metric(text, "kvpush_router_handover_seconds_bucket", **pull, le="0.0") == 0
+    assert metric(text, names.ROUTER_HANDOVER.count, **pull) == 2
+    assert metric(text, names.ROUTER_HANDOVER.bucket, **pull, le="0.0") == 0
 
 
 async def test_health_is_liveness_ok_while_the_router_serves() -> None:

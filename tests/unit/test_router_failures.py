@@ -10,6 +10,7 @@ import asyncio
 import msgspec
 import pytest
 
+from kvpush.telemetry import names
 from tests.fakes import FakeVllm, Fault, Received, Routed, dead_url, routed
 from tests.fakes.metrics import metric
 
@@ -51,7 +52,7 @@ async def test_prefill_error_reaches_the_client_unchanged(
     assert reply.status == status
     error = reply.json()["error"]
     assert error["message"] == "injected fault" and error["code"] == status
-    assert metric(text, "kvpush_router_errors_total", cause="prefill_http_error")
+    assert metric(text, names.ROUTER_ERRORS, cause="prefill_http_error")
 
 
 async def test_non_json_backend_error_is_wrapped_in_openai_shape() -> None:
@@ -151,7 +152,7 @@ async def test_client_leaving_during_pull_prefill_aborts_it(is_stream: bool) -> 
         assert r.cluster.decodes[0].received == []
         await _wait_for_idle(r)
         text = await _metrics(r)
-    assert metric(text, "kvpush_router_requests_total", status="499")
+    assert metric(text, names.ROUTER_REQUESTS, status="499")
 
 
 @pytest.mark.parametrize("is_stream", [False, True])
@@ -184,7 +185,7 @@ async def _wait_for_idle(r: Routed) -> None:
     """Until the router reports no request in flight (its handler finished)."""
     async with asyncio.timeout(3.0):
         while True:
-            gauge = metric(await _metrics(r), "kvpush_router_requests_in_flight")
+            gauge = metric(await _metrics(r), names.ROUTER_REQUESTS_IN_FLIGHT)
             if gauge == 0:
                 return
             await asyncio.sleep(0.01)

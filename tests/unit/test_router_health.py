@@ -23,6 +23,7 @@ from kvpush.router.health import HealthBoard
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.requests import parse_request
 from kvpush.router.selection import RoundRobinSelector, choose, has_every_role
+from kvpush.telemetry import names
 from kvpush.topology import Backend, Topology
 from tests.fakes import Routed, routed
 from tests.fakes.fake_vllm import vllm_metrics_text
@@ -129,12 +130,12 @@ async def _until_healthy(
 def _healthy(
     text: str, engine_id: str, role: str, mode: str = "kvpush"
 ) -> float | None:
-    gauge = "kvpush_router_instance_healthy"
+    gauge = names.ROUTER_INSTANCE_HEALTHY
     return metric(text, gauge, mode=mode, instance=engine_id, role=role)
 
 
 def _transitions(text: str, engine_id: str, to: str) -> float | None:
-    counter = "kvpush_router_health_transitions_total"
+    counter = names.ROUTER_HEALTH_TRANSITIONS
     return metric(text, counter, instance=engine_id, to=to)
 
 
@@ -170,7 +171,7 @@ async def test_refused_connection_marks_down_before_any_probe_fails() -> None:
         text = await _metrics(r)
         assert len(r.cluster.colocated[1].received) == 3
     assert _healthy(text, "colocated0", "colocated", mode="colocated") == 0
-    assert metric(text, "kvpush_router_retries_total", mode="colocated") == 1
+    assert metric(text, names.ROUTER_RETRIES, mode="colocated") == 1
 
 
 async def test_restarted_instance_comes_back_after_a_healthy_probe() -> None:
@@ -200,9 +201,9 @@ async def test_no_healthy_decode_is_a_fast_503_that_reaches_no_backend() -> None
     assert "no healthy decode instance" in error["message"]
     assert error["code"] == "no_healthy_instance"
     assert received == []
-    failures = "kvpush_router_failures_total"
+    failures = names.ROUTER_FAILURES
     assert metric(text, failures, mode="kvpush", cause="no_healthy_instance") == 1
-    assert metric(text, "kvpush_router_retries_total") is None
+    assert metric(text, names.ROUTER_RETRIES) is None
 
 
 async def test_ready_endpoint_says_which_instances_are_routed() -> None:
@@ -216,8 +217,8 @@ async def test_ready_endpoint_says_which_instances_are_routed() -> None:
 
 async def test_health_checks_stop_with_the_router() -> None:
     async with routed("colocated", **FAST):
-        names = {t.get_name() for t in asyncio.all_tasks()}
-        assert "health-colocated0" in names
+        tasks = {t.get_name() for t in asyncio.all_tasks()}
+        assert "health-colocated0" in tasks
     await asyncio.sleep(0)
     assert not any(t.get_name().startswith("health-") for t in asyncio.all_tasks())
 
@@ -242,14 +243,14 @@ async def test_metrics_endpoint_serves_each_instances_connector_events() -> None
         r.cluster.prefills[0].connector_events = {"expired.ready": 2}
         r.cluster.decodes[0].connector_events = {"fallback": 3, "peer_lost": 1}
         text = await _metrics(r)
-    events = "kvpush_connector_events_total"
-    assert families(text)["kvpush_connector_events"] == "counter"
+    events = names.CONNECTOR_EVENTS
+    assert families(text)[names.CONNECTOR_EVENTS.name] == "counter"
     assert metric(text, events, engine_id="prefill0", role="prefill",
                   event="expired.ready") == 2  # fmt: skip
     assert metric(text, events, engine_id="decode0", role="decode",
                   event="fallback") == 3  # fmt: skip
     assert metric(text, events, role="decode") == 4
-    assert metric(text, "kvpush_router_requests_in_flight") == 0  # its own, too
+    assert metric(text, names.ROUTER_REQUESTS_IN_FLIGHT) == 0  # its own, too
 
 
 async def test_an_instance_that_does_not_answer_in_time_is_left_out() -> None:
@@ -268,7 +269,7 @@ async def test_other_modes_do_not_scrape_the_instances() -> None:
     async with routed("vllm-push") as r:
         r.cluster.decodes[0].connector_events = {"fallback": 3}
         text = await _metrics(r)
-    assert "kvpush_connector_events" not in text
+    assert names.CONNECTOR_EVENTS.name not in text
 
 
 def test_metrics_render_the_fault_tolerance_families() -> None:
@@ -279,12 +280,12 @@ def test_metrics_render_the_fault_tolerance_families() -> None:
     metrics.retried()
     text = metrics.render()
     assert _healthy(text, "p0", "prefill") == 1 and _healthy(text, "d0", "decode") == 0
-    assert families(text)["kvpush_router_instance_healthy"] == "gauge"
-    failures = "kvpush_router_failures_total"
+    assert families(text)[names.ROUTER_INSTANCE_HEALTHY.name] == "gauge"
+    failures = names.ROUTER_FAILURES
     assert metric(text, failures, mode="kvpush", cause="unreachable") == 1
-    assert metric(text, "kvpush_router_retries_total", mode="kvpush") == 1
+    assert metric(text, names.ROUTER_RETRIES, mode="kvpush") == 1
     assert _transitions(text, "d0", "down") == 1
-    assert metric(text, "kvpush_router_health_transitions_total", role="decode") == 1
+    assert metric(text, names.ROUTER_HEALTH_TRANSITIONS, role="decode") == 1
 
 
 # -- options ---------------------------------------------------------------------

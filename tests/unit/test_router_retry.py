@@ -20,6 +20,8 @@ from kvpush.router.errors import (
     upstream_timeout,
 )
 from kvpush.router.retry import Attempts
+from kvpush.telemetry import names
+from kvpush.telemetry.reader import Name
 from kvpush.topology import Backend
 from tests.fakes import FakeVllm, Fault, Received, Routed, dead_url, routed
 from tests.fakes.metrics import metric
@@ -85,7 +87,7 @@ def test_blame_falls_on_the_failed_leg_else_the_whole_attempt() -> None:
 # -- against fakes ---------------------------------------------------------------
 
 
-async def _metric(r: Routed, name: str, **labels: str) -> int:
+async def _metric(r: Routed, name: Name, **labels: str) -> int:
     """The sample ``name`` with ``labels``, 0 when absent."""
     text = (await r.get("/metrics")).body.decode()
     return round(metric(text, name, **labels) or 0)
@@ -101,9 +103,9 @@ async def test_kvpush_retries_on_a_fresh_pair_with_a_fresh_transfer_id() -> None
         p0.fault = Fault(status=503)
         reply = await r.post(PATH, COMPLETION, {"X-Request-Id": "client-7"})
         await d0.wait_until(lambda recs: bool(recs) and recs[0].is_cancelled)
-        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="kvpush")
         failures = await _metric(
-            r, "kvpush_router_failures_total", mode="kvpush", cause="upstream_error"
+            r, names.ROUTER_FAILURES, mode="kvpush", cause="upstream_error"
         )
     assert reply.status == 200 and reply.headers["X-Request-Id"] == "client-7"
     assert (retries, failures) == (1, 1)
@@ -133,16 +135,16 @@ async def test_dead_first_pair_is_retried_on_the_second(
     dead = {engine_id: dead_url() for engine_id in dead_ids}
     async with routed(mode, num_prefills=2, num_decodes=2, url_overrides=dead) as r:
         reply = await r.post(PATH, STREAM)
-        retries = await _metric(r, "kvpush_router_retries_total", mode=mode)
+        retries = await _metric(r, names.ROUTER_RETRIES, mode=mode)
         unreachable_count = await _metric(
-            r, "kvpush_router_failures_total", mode=mode, cause="unreachable"
+            r, names.ROUTER_FAILURES, mode=mode, cause="unreachable"
         )
         (prefill,), (decode,) = (
             r.cluster.prefills[1].received,
             r.cluster.decodes[1].received,
         )
         second = await r.post(PATH, COMPLETION)  # no retry: dead ones are down
-        retries_after = await _metric(r, "kvpush_router_retries_total", mode=mode)
+        retries_after = await _metric(r, names.ROUTER_RETRIES, mode=mode)
     assert reply.status == 200 and reply.events()[-1] == b"[DONE]"
     assert (retries, unreachable_count) == (1, 1)
     assert decode.request_id == prefill.request_id
@@ -156,7 +158,7 @@ async def test_colocated_retries_on_another_instance() -> None:
     async with routed("colocated", num_decodes=2) as r:
         r.cluster.colocated[0].fault = Fault(is_reset=True)  # drops, no answer
         reply = await r.post(PATH, COMPLETION)
-        retries = await _metric(r, "kvpush_router_retries_total", mode="colocated")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="colocated")
     assert reply.status == 200 and retries == 1
     assert len(r.cluster.colocated[1].received) == 1
 
@@ -165,7 +167,7 @@ async def test_no_retry_after_the_first_byte_reached_the_client() -> None:
     async with routed("kvpush", num_decodes=2) as r:
         r.cluster.decodes[0].fault = Fault(reset_after_chunks=2)
         reply = await r.post(PATH, STREAM)
-        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="kvpush")
         assert r.cluster.decodes[1].received == []
     assert reply.status == 200
     *tokens, last = reply.events()
@@ -179,7 +181,7 @@ async def test_client_errors_are_not_retried(status: int) -> None:
     async with routed("vllm-pull", num_prefills=2, num_decodes=2) as r:
         r.cluster.decodes[0].fault = Fault(status=status)
         reply = await r.post(PATH, COMPLETION)
-        retries = await _metric(r, "kvpush_router_retries_total", mode="vllm-pull")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="vllm-pull")
         others = r.cluster.prefills[1].received + r.cluster.decodes[1].received
     assert reply.status == status and retries == 0 and others == []
 
@@ -190,7 +192,7 @@ async def test_retries_stop_at_max_attempts_with_the_last_error() -> None:
             fake.fault = Fault(status=500, body=b"boom " + fake.engine_id.encode())
         reply = await r.post(PATH, COMPLETION)
         tried = [fake for fake in r.cluster.colocated if fake.received]
-        retries = await _metric(r, "kvpush_router_retries_total", mode="colocated")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="colocated")
     assert [len(fake.received) for fake in tried] == [1, 1] and retries == 1
     last = max(tried, key=lambda fake: fake.received[0].arrived_at)
     assert reply.status == 500
@@ -227,9 +229,9 @@ async def test_a_client_that_leaves_is_not_retried() -> None:
         await p0.wait_until(lambda recs: recs[0].is_cancelled)
         await d0.wait_until(lambda recs: recs[0].is_cancelled)
         gone = await _metric(
-            r, "kvpush_router_failures_total", mode="kvpush", cause="client_gone"
+            r, names.ROUTER_FAILURES, mode="kvpush", cause="client_gone"
         )
-        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="kvpush")
         others = r.cluster.prefills[1].received + r.cluster.decodes[1].received
     assert (gone, retries, others) == (1, 0, [])
 
@@ -251,7 +253,7 @@ async def test_kvpush_a_lost_prefill_leg_is_retried_without_waiting_for_decode()
         decode.kv_wait_s = 60.0  # waits for its KV far past this test
         reply = await r.post(PATH, COMPLETION)
         await decode.wait_until(lambda recs: bool(recs) and recs[0].is_cancelled)
-        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="kvpush")
     assert reply.status == 200, reply.body
     assert retries == 1
     first, second = decode.received
@@ -268,7 +270,7 @@ async def test_kvpush_auto_retries_a_lost_prefill_leg_on_decode_alone() -> None:
         decode.kv_wait_s = 60.0
         reply = await r.post(PATH, COMPLETION)
         await decode.wait_until(lambda recs: bool(recs) and recs[0].is_cancelled)
-        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="kvpush")
     assert reply.status == 200, reply.body
     assert retries == 1
     first, second = decode.received
@@ -288,7 +290,7 @@ async def test_kvpush_decode_falls_back_when_no_retry_can_follow(
         (decode,) = r.cluster.decodes
         decode.kv_fallback, decode.kv_wait_s = True, 0.2
         reply = await r.post(PATH, COMPLETION)
-        retries = await _metric(r, "kvpush_router_retries_total", mode="kvpush")
+        retries = await _metric(r, names.ROUTER_RETRIES, mode="kvpush")
     assert reply.status == 200, reply.body
     assert retries == 0
     assert len(decode.received) == 1
@@ -334,9 +336,7 @@ async def test_a_client_hanging_up_at_the_end_is_counted_and_its_legs_closed(
             received += await asyncio.wait_for(reader.read(4096), 5)
         writer.close()  # hang up at once, as an HTTP client may
         for _ in range(50):
-            in_flight = await _metric(
-                r, "kvpush_router_requests_in_flight", mode="kvpush"
-            )
+            in_flight = await _metric(r, names.ROUTER_REQUESTS_IN_FLIGHT, mode="kvpush")
             if in_flight == 0 and closed:
                 break
             await asyncio.sleep(0.05)

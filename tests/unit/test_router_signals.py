@@ -7,28 +7,31 @@ import prometheus_client
 import pytest
 
 from kvpush.router.signals import Scrape, SignalBoard, parse_scrape
+from kvpush.telemetry import names
 
 
 def _vllm_text() -> str:
     """A vLLM /metrics as vLLM writes it (prometheus_client, per-engine labels)."""
     reg = prometheus_client.CollectorRegistry()
-    base = ["model_name", "engine"]
-    for name, value in (
-        ("vllm:num_requests_waiting", 3),
-        ("vllm:num_requests_running", 5),
-        ("vllm:kv_cache_usage_perc", 0.25),
+    for family, value in (
+        (names.NUM_REQUESTS_WAITING, 3),
+        (names.NUM_REQUESTS_RUNNING, 5),
+        (names.KV_CACHE_USAGE, 0.25),
     ):
-        prometheus_client.Gauge(name, name, base, registry=reg).labels("m", "0").set(
-            value
+        gauge = prometheus_client.Gauge(
+            family.name, family.name, family.label_names, registry=reg
         )
+        gauge.labels("m", "0").set(value)
+    family = names.KVPUSH_PEER_HANDOVER_SECONDS
     handover = prometheus_client.Histogram(
-        "vllm:kvpush_peer_handover_seconds", "h", [*base, "peer"], registry=reg
+        family.name, "h", family.label_names, registry=reg
     ).labels("m", "0", "decode0")
     for _ in range(4):
         handover.observe(0.02)
-    prometheus_client.Gauge(
-        "vllm:kvpush_peer_bytes_in_flight", "b", [*base, "peer"], registry=reg
-    ).labels("m", "0", "decode0").set(2048)
+    family = names.KVPUSH_PEER_BYTES_IN_FLIGHT
+    prometheus_client.Gauge(family.name, "b", family.label_names, registry=reg).labels(
+        "m", "0", "decode0"
+    ).set(2048)
     return prometheus_client.generate_latest(reg).decode()
 
 

@@ -16,7 +16,6 @@ import pytest
 from kvpush.launcher.state import ProcessRecord
 from kvpush_lab.bench import client
 from kvpush_lab.bench.outputs import publish as publish_bench
-from kvpush_lab.bench.prometheus import parse_samples
 from kvpush_lab.bench.sections import carry_sections, find_section, put_section
 from kvpush_lab.bench.workload import RequestSpec
 from kvpush_lab.soak.cli import (
@@ -246,13 +245,6 @@ def vllm_metrics(usage: float, running: int = 0, waiting: int = 0,
         f'vllm:num_requests_waiting_by_reason{{engine="0",reason="capacity"}} 7.0\n'
         f"vllm:kv_cache_usage_perc{labels} {usage}\n" + info
     )
-
-
-def test_samples_keep_labels_with_escapes() -> None:
-    samples = parse_samples(vllm_metrics(0.5))
-    info = next(s for s in samples if s.name == "vllm:cache_config_info")
-    assert info.labels["prefix"] == 'a"b' and info.labels["num_gpu_blocks"] == "4096"
-    assert len(samples) == 5
 
 
 def test_an_idle_instance_with_blocks_in_use_leaks_them() -> None:

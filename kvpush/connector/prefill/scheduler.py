@@ -16,7 +16,10 @@ forward in this very step is still filling ("written by a completed
 forward", ``docs/architecture.md``).
 When the request finishes, vLLM keeps its blocks (``request_finished``
 returns True) until the worker reports the push over (done, failed or
-expired); one aborted between two chunks is also cancelled.
+expired); one aborted between two chunks is also cancelled. A leg in vLLM's
+P/D protocol (:mod:`kvpush.connector.vllm_params`: late-bound, by a claim)
+answers there, once its whole prompt's KV is held, the params its decode
+leg needs, the claim included; vLLM puts them in the response.
 
 Pins: every block handed to the worker in a trigger gets a reference of
 our own in vLLM's block pool (``touch``, at the trigger; the pool comes
@@ -43,6 +46,7 @@ will come back instead of preempting (see there).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -60,7 +64,11 @@ from kvpush.connector.metadata import (
 )
 from kvpush.connector.prefill.pipeline import WRITE_TIMEOUT_S
 from kvpush.connector.trace import Tracer
+from kvpush.connector.vllm_params import VllmPrefill
+from kvpush.side_channel_auth import is_wildcard
 from kvpush.transfer.messages import PrefillLeg
+
+logger = logging.getLogger(__name__)
 
 # How long after its request let go of them (finished or preempted) pinned
 # blocks count as coming back soon, so that vLLM waits for them rather
@@ -203,27 +211,60 @@ class PrefillScheduler:
             )
         )
 
-    def request_finished(self, request: Any) -> tuple[bool, None]:
-        """Keep a request's blocks while a WRITE out of them may still run."""
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Keep a request's blocks while a WRITE out of them may still run.
+        A vLLM-protocol leg whose whole prompt's KV is held answers what
+        its decode leg needs (vLLM puts it in the response's
+        ``kv_transfer_params``); every other request answers None."""
         rid = request.request_id
         leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
+        vllm = self._legs.vllm_prefill(rid)
         self._legs.forget(rid)
         state = self._prefills.pop(rid, None)
         self._let_go(rid)
         if not isinstance(leg, PrefillLeg):
             return False, None
+        if not self._keeps_blocks(rid, leg, state):
+            return False, None
+        if vllm is None or state is None or not state.final_sent:
+            return True, None
+        return True, self._answer(vllm)
+
+    def _keeps_blocks(self, rid: str, leg: PrefillLeg, state: _Prefill | None) -> bool:
+        """Whether vLLM keeps the finished request's blocks for a push
+        (cancelling the push of a request aborted before its KV was whole)."""
         if state is None or not state.triggered:  # aborted before its KV was ready
             name = "aborted.before_ready" if state else "aborted.before_allocation"
             self.counters.add(name)
             self._meta.cancels.append(leg.transfer_id)
-            return False, None
+            return False
         if state.preempted:  # its push was closed at the preemption
-            return False, None
+            return False
         if not state.final_sent:  # aborted between two chunks: stop the push
             self.counters.add("aborted.mid_stream")
             self._meta.cancels.append(leg.transfer_id)
         self._held.add(rid)
-        return True, None
+        return True
+
+    def _answer(self, vllm: VllmPrefill) -> dict[str, Any] | None:
+        """What a decode needs to claim ``vllm``'s KV; None (and the push
+        cancelled) when this prefill's side channel has no address to give
+        (it binds a wildcard)."""
+        c = self.config
+        host = c.advertised_side_channel_host
+        if is_wildcard(host):
+            self.counters.add("skipped.wildcard_host")
+            logger.error(
+                "kvpush: cannot answer a vLLM P/D prefill leg: the side "
+                "channel binds %r, which no decode can connect to; set the "
+                "address decodes reach it at (kv_connector_extra_config."
+                "side_channel_advertise_host; kvpush serve "
+                "--side-channel-advertise-host)",
+                host,
+            )  # fmt: skip
+            self._meta.cancels.append(vllm.leg.transfer_id)
+            return None
+        return vllm.answer(c.engine_id, host, c.side_channel_port, c.tp_size)
 
     def update_connector_output(
         self,

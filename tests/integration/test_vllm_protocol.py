@@ -1,0 +1,93 @@
+"""kvpush's instances behind a router that speaks only vLLM's P/D protocol
+(:mod:`tests.integration.vllm_proxy`: vLLM's pull proxy, its push proxy,
+and concurrent legs paired by a router-set ``transfer_id``) answer exactly
+like a colocated instance, one request at a time and several at once, and
+every prompt's KV is pushed: decode counts a handover per request and
+computes no prompt itself.
+
+The checks run on the cluster of an existing kvpush class
+(:class:`~tests.integration.test_pd_matches_colocated.TestKvPush` mixes
+them in), not on a cluster of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from kvpush.launcher.state import TOPOLOGY_FILE
+from kvpush.topology import load_topology
+from tests.integration import faults, workload
+from tests.integration.conftest import Cluster
+from tests.integration.vllm_proxy import STYLES, BackgroundProxy, ProxyConfig
+
+pytestmark = pytest.mark.integration
+
+# One at a time: every API shape, streamed or not, short and multi-block
+# prompts; then eight mixed lengths at once.
+ONE_BY_ONE = tuple(sorted(workload.SHAPES))
+AT_ONCE = {f"concurrent-{i}": workload.CONCURRENT[f"concurrent-{i}"] for i in range(8)}
+# Decode events that mean a prompt was not pushed (computed on decode).
+NOT_PUSHED = ("fallback", "receive_failed.", "rejected.", "skipped.")
+
+
+@contextmanager
+def proxy_for(cluster: Cluster, style: str) -> Iterator[str]:
+    """A vLLM-protocol router of ``style`` in front of the cluster's
+    prefill0 and decode0 (the prefill's address from the topology, as a
+    router's configuration would have it); yields its URL."""
+    prefill = load_topology(cluster.run_dir / TOPOLOGY_FILE).prefills[0]
+    proxy = BackgroundProxy(
+        ProxyConfig(
+            style=style,
+            prefill_url=cluster.instance_url("prefill0"),
+            decode_url=cluster.instance_url("decode0"),
+            prefill_engine_id=prefill.engine_id,
+            prefill_host=prefill.side_channel_host,
+            prefill_port=prefill.side_channel_port,
+            prefill_tp=prefill.tp_size,
+        )
+    )
+    try:
+        yield proxy.url
+    finally:
+        proxy.close()
+
+
+def pushes(cluster: Cluster) -> tuple[float, dict[str, Any]]:
+    """Decode0's handovers so far, and every instance's connector events."""
+    faults.nudge(cluster, "decode0")  # counts reach /metrics with a step
+    handovers = faults.instance_metric(
+        cluster, "decode0", "vllm:kvpush_phase_seconds_count", phase="handover"
+    )
+    return handovers, faults.counters(cluster)
+
+
+class VllmProtocolChecks:
+    """Mixed into a kvpush P/D class (ahead of its last checks: pytest runs
+    a base class's tests before the subclass's own and its other bases')."""
+
+    @pytest.mark.parametrize("style", STYLES)
+    def test_vllm_protocol_router_matches_colocated(
+        self, pd_cluster: Cluster, reference: workload.Outputs, style: str
+    ) -> None:
+        handovers, events = pushes(pd_cluster)
+        with proxy_for(pd_cluster, style) as url:
+            replies = {n: workload.send(url, *workload.SHAPES[n]) for n in ONE_BY_ONE}
+            replies.update(workload.run_concurrent(url, AT_ONCE))
+        problems = {n: workload.mismatch(reference[n], r) for n, r in replies.items()}
+        assert {n: p for n, p in problems.items() if p} == {}
+
+        handovers_after, events_after = pushes(pd_cluster)
+        assert handovers_after - handovers == len(replies), "one push per request"
+        new = {
+            (name, event): n - events[name][event]
+            for name, counts in events_after.items()
+            for event, n in counts.items()
+            if n > events[name][event]
+        }
+        not_pushed = {k: n for k, n in new.items() if k[1].startswith(NOT_PUSHED)}
+        assert not_pushed == {}, f"not every prompt was pushed: {new}"
