@@ -195,13 +195,7 @@ def _group_problems(vllm_config: Any, kv_cache_config: Any) -> list[str]:
         ]
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
-        return [
-            f"{len(groups)} KV-cache groups ({kinds}): kvpush maps models whose "
-            "layers all share one group of full attention; hybrid models "
-            "(Mamba, mixed page sizes, separate draft layers) are not supported "
-            "yet, serve a model without them"
-        ]
+        return [_groups_problem([g.kv_cache_spec for g in groups])]
     group = groups[0]
     problems = _spec_problems(group.kv_cache_spec, vllm_config)
     if group.host_resident or not group.enable_kv_transfer:
@@ -215,7 +209,7 @@ def _group_problems(vllm_config: Any, kv_cache_config: Any) -> list[str]:
 def _spec_problems(spec: Any, vllm_config: Any) -> list[str]:
     kind = _refused_kind(spec)
     if kind is not None:
-        return [f"{type(spec).__name__} layers: {kind}"]
+        return [kind]
     cache_config = vllm_config.cache_config
     problems = []
     if spec.block_size != cache_config.block_size:
@@ -248,24 +242,58 @@ def _spec_problems(spec: Any, vllm_config: Any) -> list[str]:
     return problems
 
 
-def _refused_kind(spec: Any) -> str | None:
-    """Why layers of this spec cannot be copied block for block, or None."""
-    if isinstance(spec, MLAAttentionSpec):
+def _groups_problem(specs: list[Any]) -> str:
+    """Why several KV-cache groups (or none) cannot be copied, naming the
+    model family the first non-full-attention group belongs to."""
+    kinds = ", ".join(type(s).__name__ for s in specs) or "none"
+    head = (
+        f"{len(specs)} KV-cache groups ({kinds}): kvpush maps models whose "
+        "layers all share one group of full attention, one block table per "
+        "request"
+    )
+    reasons = (_refused_kind(s) for s in specs)
+    reason = next((r for r in reasons if r is not None), None)
+    if reason is None:
         return (
-            "MLA caches (one latent vector per token, often in packed fp8 "
-            "formats) are not mapped by kvpush yet; serve a model without MLA"
+            f"{head}; layers with mixed page sizes or separate draft layers are "
+            "not mapped yet, serve a model without them"
+        )
+    return f"{head}; {reason}"
+
+
+def _refused_kind(spec: Any) -> str | None:
+    """Why layers of this spec cannot be copied block for block, naming the
+    model family, or None."""
+    name = f"{type(spec).__name__} layers: "
+    if isinstance(spec, MLAAttentionSpec):
+        return name + (
+            "multi-head latent attention (MLA: DeepSeek-V2/V3 or Kimi-K2-style "
+            "models) keeps one compressed latent per token and layer, shared by "
+            "every head and TP rank and often in a packed fp8 format; kvpush "
+            "does not map MLA caches yet, serve a model with standard (GQA or "
+            "MHA) attention"
         )
     if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
-        return (
-            "local-attention caches free the blocks outside their window, so a "
-            "request's block ids do not cover its whole prompt; kvpush maps "
-            "full attention only (a model mixing both runs: vLLM then keeps "
-            "every block, as the hybrid KV cache manager is off)"
+        return name + (
+            "sliding-window or chunked local attention (Gemma 2/3, gpt-oss, "
+            "Mistral or Llama 4-style) caches free the blocks outside their "
+            "window, so a request's block ids do not cover its whole prompt; "
+            "kvpush maps full attention only. A model mixing windowed and full "
+            "layers is served (kvpush turns vLLM's hybrid KV cache manager "
+            "off, so every layer keeps every block); one whose every layer is "
+            "windowed is not"
         )
     if isinstance(spec, MambaSpec):
-        return "state caches (Mamba, linear attention) are not mapped by kvpush"
+        return name + (
+            "state caches of Mamba, Mamba2 or gated-delta-net layers (hybrid "
+            "models such as Nemotron-H, Qwen3-Next, Jamba or Granite 4) hold "
+            "one conv and SSM state per request, not per-token blocks; kvpush "
+            "does not copy them yet, serve a model without them"
+        )
     if isinstance(spec, UniformTypeKVCacheSpecs):
-        return "layers with different KV shapes are not mapped by kvpush"
+        return name + "layers with different KV shapes are not mapped by kvpush"
     if type(spec) is not FullAttentionSpec:
-        return "only plain full attention (FullAttentionSpec) is mapped by kvpush"
+        return (
+            name + "only plain full attention (FullAttentionSpec) is mapped by kvpush"
+        )
     return None

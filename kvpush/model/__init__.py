@@ -1,4 +1,5 @@
-"""Tiny, locally generated Qwen3 model used for kvpush tests and demos.
+"""Tiny, locally generated models (Qwen3 and one per family of
+:mod:`kvpush.model.families`) used for kvpush tests and demos.
 
 ``make_model``, ``ensure_model`` and ``is_complete`` (``make.py``) need torch
 and transformers, so they are imported on first use: the package itself, and

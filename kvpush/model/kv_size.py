@@ -2,15 +2,20 @@
 
 Keys and values (2) for every layer and KV head: ``2 * layers * kv_heads *
 head_dim * element size`` of the dtype it is served in. The tiny model (2
-layers, 2 KV heads of 64, float32) keeps exactly 2048 bytes per token.
+layers, 2 KV heads of 64, float32) keeps exactly 2048 bytes per token. An MLA
+model keeps one latent (``kv_lora_rank + qk_rope_head_dim``) per layer
+instead; a Nemotron-H hybrid keeps per-token KV only in its attention layers
+(its Mamba layers keep a per-request state, not counted).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ATTENTION_BLOCKS = ("attention", "full_attention")
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
@@ -19,10 +24,21 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_ELEMENT_BYTES)}")
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads", heads))
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        values = _values_per_token(config)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read the KV shape of {model_dir}: {e}") from e
-    return 2 * layers * kv_heads * head_dim * _ELEMENT_BYTES[dtype]
+    return values * _ELEMENT_BYTES[dtype]
+
+
+def _values_per_token(config: dict[str, Any]) -> int:
+    blocks = config.get("layers_block_type")  # Nemotron-H: no num_hidden_layers
+    if blocks:
+        layers = sum(1 for b in blocks if b in _ATTENTION_BLOCKS)
+    else:
+        layers = int(config["num_hidden_layers"])
+    if config.get("kv_lora_rank"):
+        return layers * (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]))
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return 2 * layers * kv_heads * head_dim

@@ -1,4 +1,7 @@
-"""Build a tiny Qwen3 causal LM and its tokenizer, deterministically and offline.
+"""Build a tiny causal LM and its tokenizer, deterministically and offline.
+
+The architecture is the spec's family (:mod:`kvpush.model.families`): Qwen3
+by default.
 
 The output directory is a regular Hugging Face model directory (config,
 safetensors weights, tokenizer files, generation config) that transformers and
@@ -18,14 +21,16 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoModelForCausalLM,
     GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 from transformers.utils import logging as hf_logging
 
 from kvpush.model.corpus import iter_documents
+from kvpush.model.families import hf_config, unit_norm_weight
 from kvpush.model.spec import SPEC_FILENAME, ModelSpec
 
 EOS_TOKEN = "<|im_end|>"
@@ -110,44 +115,38 @@ def padded_vocab_size(tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def build_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
-    """Return the Qwen3 configuration matching ``spec`` and ``tokenizer``."""
-    return Qwen3Config(
+def build_config(
+    spec: ModelSpec, tokenizer: PreTrainedTokenizerFast
+) -> PretrainedConfig:
+    """Return the configuration of ``spec``'s family matching ``tokenizer``."""
+    return hf_config(
+        spec.family,
+        spec,
         vocab_size=padded_vocab_size(len(tokenizer)),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.init_std,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        dtype=spec.dtype,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
     )
 
 
 def _reinitialise(model: torch.nn.Module, spec: ModelSpec) -> None:
-    """Draw every weight from ``normal(0, init_std)``; norm weights become 1."""
+    """Draw every weight from ``normal(0, init_std)``; norms scale by 1."""
     generator = torch.Generator().manual_seed(spec.seed)
+    unit_norm = unit_norm_weight(spec.family)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.fill_(1.0)
+                param.fill_(unit_norm)
             else:
                 values = torch.empty(param.shape, dtype=torch.float32)
                 values.normal_(0.0, spec.init_std, generator=generator)
                 param.copy_(values)
 
 
-def build_model(spec: ModelSpec, config: Qwen3Config) -> Qwen3ForCausalLM:
+def build_model(spec: ModelSpec, config: PretrainedConfig) -> PreTrainedModel:
     """Instantiate and deterministically initialise the model in ``spec.dtype``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = Qwen3ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.float()
     _reinitialise(model, spec)
     _DTYPE_CASTS[spec.dtype](model)
@@ -155,7 +154,7 @@ def build_model(spec: ModelSpec, config: Qwen3Config) -> Qwen3ForCausalLM:
     return model
 
 
-def _generation_config(config: Qwen3Config) -> GenerationConfig:
+def _generation_config(config: PretrainedConfig) -> GenerationConfig:
     """Return a greedy generation config carrying the special token ids."""
     return GenerationConfig(
         do_sample=False,

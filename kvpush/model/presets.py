@@ -1,4 +1,6 @@
-"""Named model shapes: ``tiny`` (the default) and ``kv-heavy``.
+"""Named model shapes: ``tiny`` (the default), ``kv-heavy``, and one tiny
+model per family whose KV cache vLLM shapes differently (``mla``, ``swa``,
+``hybrid``, ``moe``; :mod:`kvpush.model.families`, docs/model-families.md).
 
 ``kv-heavy`` is shaped so that moving the KV cache matters: 8 layers, 8 KV
 heads of dim 128, hidden 256, float32, so ``2 * 8 * 8 * 128 * 4`` =
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.model.families import kv_bytes_per_token
 from kvpush.model.spec import ModelSpec
 
 
@@ -33,10 +36,9 @@ class Preset:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Keys and values of every layer and KV head, in the spec's dtype."""
-        element = 4 if self.spec.dtype == "float32" else 2
-        s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * element
+        """KV-cache bytes per token over all layers that keep one (keys and
+        values per KV head, or MLA's latent), in the spec's dtype."""
+        return kv_bytes_per_token(self.spec)
 
 
 PRESETS: dict[str, Preset] = {
@@ -49,6 +51,14 @@ PRESETS: dict[str, Preset] = {
         kv_cache_space_gb=4,
         max_model_len=8192,
     ),
+    "mla": Preset(
+        ModelSpec(family="mla", num_kv_heads=4), "tiny-mla-deepseek-v2", 1, 4096
+    ),
+    "swa": Preset(ModelSpec(family="swa", num_layers=6), "tiny-swa-gemma3", 1, 4096),
+    "hybrid": Preset(
+        ModelSpec(family="hybrid", num_layers=6), "tiny-hybrid-nemotron-h", 1, 4096
+    ),
+    "moe": Preset(ModelSpec(family="moe"), "tiny-moe-qwen3", 1, 4096),
 }
 
 

@@ -1,4 +1,4 @@
-"""The :class:`ModelSpec` describing a tiny, locally generated Qwen3 model."""
+"""The :class:`ModelSpec` describing a tiny, locally generated model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.model.corpus import DEFAULT_CORPUS_BYTES
+from kvpush.model.families import FAMILIES, layers_problem
 
 ALLOWED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 SPEC_FILENAME = "kvpush_model.json"
@@ -40,6 +41,9 @@ class ModelSpec:
     """Shape, initialisation and storage settings for the tiny model.
 
     Attributes:
+        family: Architecture (:data:`kvpush.model.families.FAMILIES`):
+            ``dense`` (Qwen3, the default), ``mla``, ``swa``, ``hybrid``
+            or ``moe``.
         num_layers: Number of decoder layers.
         hidden_size: Width of the residual stream.
         num_heads: Number of attention (query) heads.
@@ -67,6 +71,7 @@ class ModelSpec:
     seed: int = 0
     dtype: str = "float32"
     corpus_bytes: int = DEFAULT_CORPUS_BYTES
+    family: str = "dense"
 
     def __post_init__(self) -> None:
         """Validate every field, raising ``ValueError`` with a fix hint."""
@@ -157,3 +162,10 @@ def _validate_scalars(spec: ModelSpec) -> None:
         raise ValueError(
             f"ModelSpec.dtype must be one of {list(ALLOWED_DTYPES)}, got {spec.dtype!r}"
         )
+    if spec.family not in FAMILIES:
+        raise ValueError(
+            f"ModelSpec.family must be one of {list(FAMILIES)}, got {spec.family!r}"
+        )
+    problem = layers_problem(spec.family, spec.num_layers)
+    if problem is not None:
+        raise ValueError(f"ModelSpec.num_layers {spec.num_layers}: {problem}")
