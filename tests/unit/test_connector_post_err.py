@@ -7,8 +7,9 @@ it when that release raised; the pipeline then freed the source blocks and
 told decode ``write_failed`` at once, so decode could reuse blocks a partly
 posted WRITE still wrote into.
 
-The pipeline is driven directly (no writer thread, no sleeps): each
-``tick(now)`` runs its steps once at an explicit time.
+The pipeline is driven directly (no writer thread, no sleeps; the shared
+rig of :mod:`tests.unit.prefill_pipeline_rig`): each ``tick(now)`` runs its
+steps once at an explicit time.
 """
 
 from __future__ import annotations
@@ -20,103 +21,41 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpush.connector.counters import Counters
-from kvpush.connector.faults import FaultSource
 from kvpush.connector.nixl_io import NixlIO, WriteRefused
-from kvpush.connector.prefill.fence import NoFence
-from kvpush.connector.prefill.pipeline import Pipeline, Ready, WriterConfig
 from kvpush.connector.prefill.writes import RETRY_S
-from kvpush.connector.trace import Tracer
-from kvpush.transfer.matcher import MatcherConfig, ReadyKv
-from kvpush.transfer.messages import Cause, Failure, Hello, Registration
-from tests.fakes.fake_nixl import FakeNixlIO
-from tests.unit.test_connector_writer import (
-    BOOT,
-    BS,
-    DECODE,
-    DECODE_ROUTE,
-    DST_BASE,
-    PREFILL,
-    SRC_BASE,
-    Replies,
-    layout,
-)
+from kvpush.transfer.messages import Cause
+from tests.unit.prefill_pipeline_rig import PipelineRig
+from tests.unit.test_connector_writer import SRC_BASE, layout
 
 
-class PipelineRig:
-    """A prefill :class:`Pipeline` over a fake agent linked to decode's."""
-
-    def __init__(self) -> None:
-        self.io = FakeNixlIO("kvpush-p0", layout(SRC_BASE))
-        self.decode_io = FakeNixlIO("kvpush-d0", layout(DST_BASE))
-        self.io.link(self.decode_io)
-        self.replies = Replies()
-        self.finished: list[str] = []
-        self.tracer = Tracer("", PREFILL)
-        self.pipeline = Pipeline(
-            self.io,  # type: ignore[arg-type]
-            WriterConfig(PREFILL, MatcherConfig(block_size=BS)),
-            self.replies,
-            self.finished.append,
-            self.tracer,
-            Counters(),
-            FaultSource(""),
-        )
+class PostRig(PipelineRig):
+    """The shared pure rig (:mod:`tests.unit.prefill_pipeline_rig`), pushing t1."""
 
     def push(self, now: float) -> None:
         """Decode's Hello and Registration, then prefill's KV for ``t1``."""
-        hello = Hello(
-            engine_id=DECODE,
-            boot_id=BOOT,
-            agent_name=self.decode_io.name,
-            nixl_metadata=self.decode_io.metadata,
-            layout=self.decode_io.layout,
-        )
-        reg = Registration(
-            transfer_id="t1",
-            decode_engine_id=DECODE,
-            decode_boot_id=BOOT,
-            dst_block_ids=(10, 11, 12, 13),
-            num_tokens=60,
-            ttl_s=10.0,
-        )
-        kv = ReadyKv(
-            transfer_id="t1",
-            src_block_ids=(4, 5, 6, 9),
-            num_tokens=60,
-            decode_engine_id=DECODE,
-        )
-        self.pipeline.on_message(DECODE_ROUTE, hello, now)
-        self.pipeline.on_message(DECODE_ROUTE, reg, now)
-        self.pipeline.on_ready(Ready(kv, "req-1", NoFence()), now)
-
-    def tick(self, now: float) -> None:
-        for step in self.pipeline.steps:
-            step(now)
-
-    def failures(self) -> list[Failure]:
-        return [m for _, m in self.replies.of(Failure) if isinstance(m, Failure)]
+        self.hello(now)
+        self.register(now)
+        self.ready(now)
 
     def assert_held(self) -> None:
         """The refused WRITE's handle is held: blocks kept, decode not told."""
-        (write,) = self.io.writes_snapshot()
+        (write,) = self.writes()
         assert write.refused and not write.released
         assert self.finished == [], "source blocks freed while NIXL holds the WRITE"
         assert self.failures() == [], "decode told while NIXL holds the WRITE"
 
     def assert_ended_once(self) -> None:
         """Released: blocks freed, exactly one Failure(write_failed)."""
-        (write,) = self.io.writes_snapshot()
+        (write,) = self.writes()
         assert write.released and not write.cancelled
         assert self.finished == ["req-1"]
-        (failure,) = self.failures()
-        assert (failure.transfer_id, failure.cause) == ("t1", Cause.WRITE_FAILED)
+        assert self.failures() == [("t1", Cause.WRITE_FAILED)]
         assert len(self.pipeline._writes) == 0
-        assert self.decode_io.notifications() == [], "a refused WRITE says no Done"
+        assert self.notifications() == [], "a refused WRITE says no Done"
         assert self.io.misuse == [], self.io.misuse
 
 
-def held_until_released(rig: PipelineRig) -> None:
+def held_until_released(rig: PostRig) -> None:
     """NIXL refuses the first two releases (at the post's tick, then
     RETRY_S later) and lets go at the third."""
     rig.push(now=0.0)
@@ -134,28 +73,27 @@ def held_until_released(rig: PipelineRig) -> None:
 
 
 def test_a_write_nixl_says_err_for_at_post_holds_the_blocks_until_released():
-    rig = PipelineRig()
+    rig = PostRig()
     rig.io.refuse_next_write()  # transfer() returns ERR
     rig.io.release_failures = 2
     held_until_released(rig)
 
 
 def test_a_write_whose_transfer_raises_holds_the_blocks_until_released():
-    rig = PipelineRig()
+    rig = PostRig()
     rig.io.refuse_next_write(RuntimeError("nixlRemoteDisconnectError"))
     rig.io.raise_next("release", times=2)  # release_xfer_handle raises
     held_until_released(rig)
 
 
 def test_a_write_without_a_handle_fails_at_once():
-    rig = PipelineRig()
+    rig = PostRig()
     rig.io.fail_next_write(RuntimeError("initialize_xfer: no route to peer"))
     rig.push(now=0.0)
     rig.tick(0.0)
-    assert rig.io.writes_snapshot() == []
+    assert rig.writes() == []
     assert rig.finished == ["req-1"]
-    (failure,) = rig.failures()
-    assert failure.cause is Cause.WRITE_FAILED
+    assert rig.failures() == [("t1", Cause.WRITE_FAILED)]
     assert len(rig.pipeline._writes) == 0
     rig.tracer.close()
 

@@ -1,10 +1,12 @@
-"""The prefill writer pushes a prompt's KV into decode's blocks exactly once,
-whatever the order in which the decode's Hello, its Registration and the
-prompt's finished KV arrive, and frees prefill's blocks (``take_finished``)
-however the push ends: written, failed, expired or cancelled.
+"""The prefill writer thread pushes a prompt's KV into decode's blocks
+once, through its inbox, and frees prefill's blocks (``take_finished``);
+its trace records the transfer's timeline.
 
 Each test runs a real writer thread over :class:`FakeNixlIO`; a recording
-``reply`` stands in for the side-channel listener.
+``reply`` stands in for the side-channel listener. :class:`Rig` serves the
+other thread-rig tests. The state machine itself (every phase, every
+ending, every arrival order) is tested without a thread in
+``test_prefill_pipeline.py`` and ``test_prefill_pipeline_stream.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import (
     Cancel,
-    Cause,
     Done,
     Failure,
     Heartbeat,
@@ -258,7 +259,7 @@ class Rig:
         last heard from each)."""
         pipeline = self.writer._pipeline
         held = leftovers(pipeline)
-        for name in ("_matcher", "_writes", "_streams", "_to_post"):
+        for name in ("_matcher", "_writes"):
             if len(getattr(pipeline, name)):
                 held[name] = len(getattr(pipeline, name))
         return held
@@ -326,218 +327,11 @@ def test_hello_then_registration_then_ready_pushes_coalesced_runs_once(rig: Rig)
         HelloReply(engine_id=PREFILL, accepted=True, boot_id="0")
     ]
     assert rig.replies.of(Failure) == []
+    rig.sync()  # the writer ticked since
     assert rig.writer.take_finished() == set(), "a request is released once"
 
 
-def test_ready_before_registration_pushes_when_the_registration_arrives(rig: Rig):
-    rig.hello()
-    rig.ready()
-    rig.sync()
-    assert rig.io.writes_snapshot() == []
-
-    rig.register()
-
-    assert rig.wait_finished("req-1")
-    assert_pushed_once(rig, [(4, 10, 3), (9, 13, 1)], num_blocks=4)
-
-
-def test_registration_before_hello_waits_for_the_hello(rig: Rig):
-    rig.register()
-    rig.ready()
-    rig.sync()
-    assert rig.io.writes_snapshot() == [], "no peer to write to yet"
-    assert rig.writer.take_finished() == set()
-
-    rig.hello()
-
-    assert rig.wait_finished("req-1")
-    assert_pushed_once(rig, [(4, 10, 3), (9, 13, 1)], num_blocks=4)
-
-
-def test_prefix_hit_on_decode_skips_the_blocks_it_already_holds(rig: Rig):
-    rig.hello()
-    # decode holds prompt block 0; it registers blocks 1..3 only.
-    rig.register(dst=(20, 21, 22), first_block=1)
-    rig.ready(src=(4, 5, 6, 9))
-
-    assert rig.wait_finished("req-1")
-    # src block 4 (prompt block 0) is not sent: 5,6 -> 20,21 and 9 -> 22.
-    assert_pushed_once(rig, [(5, 20, 2), (9, 22, 1)], num_blocks=3)
-
-
-def test_write_completes_only_after_polls_report_done(rig: Rig):
-    rig.io.script_polls("PROC", "PROC", "PROC", "DONE")
-    rig.hello()
-    rig.register()
-    rig.ready()
-
-    assert rig.wait_finished("req-1")
-    (write,) = rig.io.writes_snapshot()
-    assert write.num_polls == 4
-    assert write.released
-
-
-def test_fence_is_asked_before_the_write_is_posted(rig: Rig):
-    order: list[str] = []
-
-    class RecordingFence:
-        def is_ready(self) -> bool:
-            order.append(f"fence asked, {len(rig.io.writes_snapshot())} writes")
-            return True
-
-    rig.hello()
-    rig.register()
-    rig.ready(fence=RecordingFence())
-
-    assert rig.wait_finished("req-1")
-    assert order[0] == "fence asked, 0 writes"
-    assert len(rig.io.writes_snapshot()) == 1
-
-
 # -- every other ending releases prefill's blocks ------------------------------
-
-
-def assert_failed(rig: Rig, cause: str) -> None:
-    """Exactly one Failure, for t1, with ``cause``, reached decode."""
-    assert wait_for(lambda: rig.replies_to(DECODE_ROUTE, Failure))
-    (failure,) = rig.replies_to(DECODE_ROUTE, Failure)
-    assert isinstance(failure, Failure)
-    assert (failure.transfer_id, failure.engine_id, failure.cause) == (
-        "t1",
-        PREFILL,
-        Cause(cause),
-    )
-
-
-def test_write_that_fails_to_post_releases_the_request_and_tells_decode(rig: Rig):
-    rig.io.fail_next_write(RuntimeError("no route to peer"))
-    rig.hello()
-    rig.register()
-    rig.ready()
-
-    assert rig.wait_finished("req-1")
-    assert_failed(rig, "write_failed")
-    assert rig.io.writes_snapshot() == []
-    assert rig.decode_io.notifications() == [], "decode gets no Done"
-
-
-def test_write_that_polls_err_releases_the_request_and_tells_decode(rig: Rig):
-    rig.io.script_polls("PROC", "PROC", "ERR")
-    rig.hello()
-    rig.register()
-    rig.ready()
-
-    assert rig.wait_finished("req-1")
-    assert_failed(rig, "write_failed")
-    (write,) = rig.io.writes_snapshot()
-    assert write.num_polls == 3
-    assert rig.decode_io.notifications() == []
-
-
-def test_fence_that_never_completes_releases_without_writing(rig: Rig):
-    class StuckFence:
-        def is_ready(self) -> bool:
-            return False
-
-    rig.hello()
-    rig.register(ttl_s=1.2)  # post deadline 0.2 s after arrival
-    rig.ready(fence=StuckFence())
-
-    assert rig.wait_finished("req-1")
-    assert_failed(rig, "write_failed")
-    assert rig.io.writes_snapshot() == []
-
-
-def test_ready_kv_nobody_registers_for_expires_and_is_released():
-    rig = Rig(ready_ttl_s=0.05)
-    try:
-        rig.hello()
-        rig.ready()
-
-        assert rig.wait_finished("req-1")
-        assert rig.io.writes_snapshot() == []
-    finally:
-        rig.close()
-
-
-def test_cancel_from_decode_releases_pending_ready_kv_without_writing(rig: Rig):
-    rig.hello()
-    rig.ready()
-    rig.writer.on_message(
-        DECODE_ROUTE, Cancel(transfer_id="t1", engine_id=DECODE, reason="aborted")
-    )
-
-    assert rig.wait_finished("req-1")
-    rig.register()  # a late registration for a cancelled transfer
-    rig.sync()
-    assert rig.io.writes_snapshot() == []
-
-
-def test_ready_kv_after_decode_cancelled_is_released_without_writing(rig: Rig):
-    rig.hello()
-    rig.writer.on_message(DECODE_ROUTE, Cancel(transfer_id="t1", engine_id=DECODE))
-    rig.ready()
-
-    assert rig.wait_finished("req-1")
-    rig.sync()
-    assert rig.io.writes_snapshot() == []
-
-
-def test_prefill_cancel_of_a_pending_registration_tells_decode(rig: Rig):
-    rig.hello()
-    rig.register()
-    rig.writer.cancel("t1")
-
-    assert_failed(rig, "cancelled")
-    rig.ready()  # the KV turns up after all: it is released, not written
-    assert rig.wait_finished("req-1")
-    assert rig.io.writes_snapshot() == []
-
-
-def test_registration_that_expires_before_the_kv_is_ready_tells_decode(rig: Rig):
-    rig.hello()
-    rig.register(ttl_s=1.05)  # deadline: ttl - post_margin_s (1.0) = 50 ms
-
-    assert_failed(rig, "expired")
-    rig.ready()
-    assert rig.wait_finished("req-1")
-    assert rig.io.writes_snapshot() == []
-
-
-def test_incompatible_hello_is_refused_and_nothing_is_written(rig: Rig):
-    rig.hello(decode_layout=layout(DST_BASE, block_bytes=2 * BLOCK_BYTES))
-    assert wait_for(lambda: rig.replies_to(DECODE_ROUTE, HelloReply))
-    (reply,) = rig.replies_to(DECODE_ROUTE, HelloReply)
-    assert isinstance(reply, HelloReply)
-    assert not reply.accepted
-    assert "block_bytes" in reply.reason
-
-    rig.register(ttl_s=1.2)  # post deadline 0.2 s after arrival
-    rig.ready()
-    rig.sync()
-    assert rig.io.writes_snapshot() == []
-    # with no accepted peer the matched transfer expires and is released
-    assert rig.wait_finished("req-1")
-    assert rig.io.writes_snapshot() == []
-    assert rig.io.loaded_peers == ["kvpush-probe1"]
-
-
-def test_hello_with_unloadable_metadata_is_refused(rig: Rig):
-    rig.writer.on_message(
-        DECODE_ROUTE,
-        Hello(
-            engine_id=DECODE,
-            boot_id=BOOT,
-            agent_name="kvpush-d0",
-            nixl_metadata=b"junk",
-            layout=layout(DST_BASE),
-        ),
-    )
-    assert wait_for(lambda: rig.replies_to(DECODE_ROUTE, HelloReply))
-    (reply,) = rig.replies_to(DECODE_ROUTE, HelloReply)
-    assert isinstance(reply, HelloReply)
-    assert not reply.accepted
-    assert "metadata" in reply.reason
 
 
 def test_trace_records_the_transfer_timeline(tmp_path: Path):
@@ -560,32 +354,3 @@ def test_trace_records_the_transfer_timeline(tmp_path: Path):
 
 
 # -- bugs ----------------------------------------------------------------------
-
-
-def test_registration_rejected_by_the_matcher_is_answered_with_a_failure():
-    rig = Rig(ready_ttl_s=0.05)
-    try:
-        rig.hello()
-        rig.ready()
-        assert rig.wait_finished("req-1")  # the KV expired unmatched
-
-        rig.register()  # arrives late: rejected as "closed"
-
-        assert wait_for(lambda: rig.replies_to(DECODE_ROUTE, Failure), 0.5)
-    finally:
-        rig.close()
-
-
-def test_registration_outside_decodes_cache_releases_and_fails():
-    rig = Rig()
-    try:
-        rig.hello()
-        # decode's cache has 32 blocks: block 40 does not exist there
-        rig.register(dst=(10, 11, 12, 40))
-        rig.ready()
-
-        assert rig.wait_finished("req-1", timeout_s=0.5)
-        assert_failed(rig, "rejected")
-        assert rig.io.writes_snapshot() == [], "nothing is written out of range"
-    finally:
-        rig.close()

@@ -3,15 +3,16 @@ chunk): within a chunk, each layer's blocks are posted as soon as that
 layer's KV is written, in a WRITE that carries only that layer's
 descriptors.
 
-The rules, over the real writer thread and the shared fake NIXL (the
-``Rig`` of ``test_connector_writer.py``, here with 4 layers): WRITEs go
-layer by layer, in order; the Done rides on the very last WRITE, posted
-only once every earlier WRITE (every chunk, every layer) completed; a
-cancel between two layers posts nothing more and is answered once the
-WRITEs in flight ended; one layer's failed WRITE fails the transfer; a
-registration (or a late-bound claim) that comes after some chunks and
-layers were written catches up in one coalesced WRITE; blocks from
-prefill's own prefix cache need no layer and go first.
+Over the real writer thread, with layers saved from the worker's thread
+(the inbox's LAYER events), and the shared fake NIXL (the ``Rig`` of
+``test_connector_writer.py``, here with 4 layers): the Done rides on the
+very last WRITE, posted only once every earlier WRITE (every chunk, every
+layer) completed; one layer's failed WRITE fails the transfer; a
+registration that comes after some chunks and layers were written catches
+up in one coalesced WRITE; blocks from prefill's own prefix cache need no
+layer and go first. Layer by layer, a cancel between two layers, a late
+claim and a layer never saved are tested on the pure pipeline
+(``test_prefill_pipeline_stream.py``).
 
 Prompt: 60 tokens in 16-token blocks (4 blocks); prefill's blocks 4, 5, 6,
 9; decode's 10, 11, 12, 13.
@@ -42,10 +43,10 @@ from tests.unit.test_connector_writer import (
     SRC_BASE,
     Rig,
 )
-from tests.unit.test_connector_writer_late import TOKEN, LateRig
+from tests.unit.test_connector_writer_late import TOKEN
+from tests.unit.test_connector_writer_safety import FOREVER, end_write
 
 LAYERS = 4
-SLOW = ("PROC",) * 1000 + ("DONE",)  # a WRITE that runs for ~0.5 s or more
 ALL = [4, 5, 6, 9]  # every prompt block, on prefill
 
 
@@ -111,44 +112,18 @@ def failures(rig: Rig) -> list[Failure]:
     return rig.replies_to(DECODE_ROUTE, Failure)  # type: ignore[return-value]
 
 
-def test_each_layer_goes_as_soon_as_it_is_written_and_done_rides_on_the_last(
-    rig: Rig,
-):
-    rig.register()
-    first = LayerFences(LAYERS)
-    chunk(rig, 0, (4, 5), first)
-    rig.sync()
-    assert rig.io.writes_snapshot() == [], "no layer written yet"
-
-    for n, layer in enumerate(range(LAYERS), start=1):
-        save(rig, first, layer)
-        assert wait_for(lambda n=n: posted_and_ended(rig, n))
-    save(rig, first, ALL_LAYERS)  # wait_for_save: nothing more to send
-    last = LayerFences(LAYERS)
-    chunk(rig, 2, (6, 9), last, final=True)
-    for n, layer in enumerate(range(LAYERS), start=LAYERS + 1):
-        save(rig, last, layer)
-        assert wait_for(lambda n=n: posted_and_ended(rig, n))
-
-    assert rig.wait_finished("req-1")
-    writes = rig.io.writes_snapshot()
-    assert [layers_of(w) for w in writes] == [
-        {layer: ([4, 5], [10, 11])} for layer in range(LAYERS)
-    ] + [{layer: ([6, 9], [12, 13])} for layer in range(LAYERS)]
-    assert [w.notif for w in writes[:-1]] == [b""] * 7, "only the last notifies"
-    assert writes[-1].message == Done("t1", PREFILL, num_blocks=4)
-    assert rig.decode_io.notifications() == [writes[-1].notif]
-    assert failures(rig) == []
-
-
 def test_the_done_waits_for_every_earlier_write_of_every_layer(rig: Rig):
-    rig.io.script_polls(*SLOW)
+    rig.io.script_polls(*FOREVER)  # each ends when the test says so
     rig.register()
     fences = LayerFences(LAYERS)
     chunk(rig, 0, (4, 5, 6, 9), fences, final=True)  # the prompt in one chunk
     for n, layer in enumerate(range(LAYERS), start=1):
         save(rig, fences, layer)
         assert wait_for(lambda n=n: len(rig.io.writes_snapshot()) == n)
+    for write in rig.io.writes_snapshot():
+        end_write(rig, write)
+    assert wait_for(lambda: len(rig.io.writes_snapshot()) == LAYERS + 1)
+    end_write(rig, rig.io.writes_snapshot()[-1])
 
     assert rig.wait_finished("req-1")
     *earlier, held, done = rig.io.writes_snapshot()
@@ -163,28 +138,6 @@ def test_the_done_waits_for_every_earlier_write_of_every_layer(rig: Rig):
     assert done.running_at_post == 0
     assert done.message == Done("t1", PREFILL, num_blocks=4)
     assert rig.decode_io.notifications() == [done.notif], "one Done, the last"
-
-
-def test_a_cancel_between_two_layers_posts_nothing_more(rig: Rig):
-    rig.io.script_polls(*SLOW)
-    rig.register()
-    fences = LayerFences(LAYERS)
-    chunk(rig, 0, (4, 5, 6, 9), fences, final=True)
-    save(rig, fences, 0)
-    assert wait_for(lambda: rig.io.writes_snapshot())
-
-    rig.cancel()
-    save(rig, fences, 1, 2, 3, ALL_LAYERS)  # the forward goes on
-    rig.sync()
-    (write,) = rig.io.writes_snapshot()
-    assert not write.done and failures(rig) == [], "a WRITE may still land"
-
-    assert wait_for(lambda: failures(rig))
-    assert write.done and write.released and not write.cancelled
-    assert [f.cause for f in failures(rig)] == [Cause.CANCELLED]
-    assert len(rig.io.writes_snapshot()) == 1, "no layer after the cancel"
-    assert rig.decode_io.notifications() == [], "decode never completes"
-    assert rig.wait_finished("req-1")
 
 
 def test_a_failed_write_of_one_layer_fails_the_transfer(rig: Rig):
@@ -239,36 +192,6 @@ def test_a_registration_mid_stream_catches_up_in_one_coalesced_write(rig: Rig):
     assert rig.io.writes_snapshot()[-1].message == Done("t1", PREFILL, 4)
 
 
-def test_a_late_claim_catches_up_on_the_layers_already_written():
-    rig = LateRig()  # two decodes said Hello; 2 layers
-    try:
-        chunk(rig, 0, (4, 5), NO_FENCE, claim=True)
-        fences = LayerFences(2)
-        chunk(rig, 2, (6,), fences, claim=True)
-        save(rig, fences, 0)
-        rig.sync()
-        assert rig.io.writes_snapshot() == [], "no decode claimed it yet"
-
-        rig.claim()
-        assert wait_for(lambda: rig.io.writes_snapshot())
-        rig.sync()
-        (write,) = rig.io.writes_snapshot()
-        assert write.peer == "kvpush-d1"
-        assert layers_of(write) == {
-            0: ([4, 5, 6], [10, 11, 12]),
-            1: ([4, 5], [10, 11]),
-        }
-
-        save(rig, fences, 1)
-        chunk(rig, 3, (9,), NO_FENCE, claim=True, final=True)
-        assert rig.wait_finished("req-1")
-        assert sent_per_layer(rig) == {0: ALL, 1: ALL}
-        assert rig.io.writes_snapshot()[-1].message == Done("t1", PREFILL, 4)
-        assert rig.d1_io.notifications() == [rig.io.writes_snapshot()[-1].notif]
-    finally:
-        rig.close()
-
-
 def test_prefills_own_cached_blocks_go_first_with_no_layer_to_wait_for(rig: Rig):
     rig.register()
     chunk(rig, 0, (4, 5), NO_FENCE)  # cached: handed over before any forward
@@ -289,20 +212,3 @@ def test_prefills_own_cached_blocks_go_first_with_no_layer_to_wait_for(rig: Rig)
     assert rig.wait_finished("req-1")
     assert sent_per_layer(rig) == {layer: ALL for layer in range(LAYERS)}
     assert rig.io.writes_snapshot()[-1].message == Done("t1", PREFILL, 4)
-
-
-def test_a_layer_never_saved_goes_when_the_forward_ends(rig: Rig):
-    """``wait_for_save``'s fence covers every layer, so a layer whose
-    ``save_kv_layer`` never came (or a step replayed from a CUDA graph)
-    is still sent."""
-    rig.register()
-    fences = LayerFences(LAYERS)
-    chunk(rig, 0, (4, 5, 6, 9), fences, final=True)
-    save(rig, fences, 0, 2)  # layer 1 never reported: 2 waits for it
-    assert wait_for(lambda: posted_and_ended(rig, 1))
-    rig.sync()
-    assert len(rig.io.writes_snapshot()) == 1
-
-    save(rig, fences, ALL_LAYERS)
-    assert rig.wait_finished("req-1")
-    assert sent_per_layer(rig) == {layer: ALL for layer in range(LAYERS)}

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvpush.transfer.heads import HeadSlice, slice_problem
-from kvpush.transfer.layout import KvLayout, compat_problem
+from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout, compat_problem
 from kvpush.transfer.messages import Hello, Registration
+from kvpush.transfer.ranks import TpPair
 
 PeerKey = tuple[str, int]  # (decode engine id, decode worker rank)
 
@@ -120,3 +121,30 @@ class DecodePeers:
             if peer is None or peer.boot_id != boot_id:
                 return False
         return True
+
+
+def hello_slice(
+    hello: Hello, tp_size: int, rank: int, total_kv_heads: int, use_mla: bool
+) -> tuple[str | None, HeadSlice | None]:
+    """What prefill rank ``rank`` of ``tp_size`` writes to the decode rank
+    that said ``hello`` (:class:`~kvpush.transfer.ranks.TpPair`), or why it
+    writes nothing: (problem, None) or (None, its head slice)."""
+    mine, theirs = total_kv_heads, hello.total_kv_heads
+    if mine and theirs and mine != theirs:
+        return (
+            f"the model's KV heads differ: prefill has {mine}, decode "
+            f"{theirs} (serve the same model on both)",
+            None,
+        )
+    pair = TpPair(tp_size, hello.tp_size, mine if mine == theirs else 0)
+    problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT, use_mla)
+    if problem is not None:
+        return problem, None
+    for head_slice in pair.targets_of(rank):
+        if head_slice.dst_rank == hello.rank:
+            return None, head_slice
+    return (
+        f"prefill rank {rank} does not write to decode rank "
+        f"{hello.rank} (a decode rank says Hello only to its sources)",
+        None,
+    )

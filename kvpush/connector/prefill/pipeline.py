@@ -2,26 +2,24 @@
 (a Registration or the finished KV) to prefill's final word on it.
 
 Owned by the writer thread (:mod:`kvpush.connector.prefill.writer`), which
-feeds it events and runs :attr:`Pipeline.steps` on each tick; no locks, no waits. A
-transfer is in exactly one phase here:
+feeds it events and runs :attr:`Pipeline.steps` on each tick; no locks, no
+waits. A registration that waits for its KV is only the
+:class:`~kvpush.transfer.matcher.Matcher`'s; from its first ready KV on, a
+transfer is one :class:`~kvpush.connector.prefill.transfer.Transfer` in
+the pipeline's one table, in exactly one
+:class:`~kvpush.connector.prefill.transfer.Phase` (*waiting*, *matched*,
+*in flight*, *ending*; drawn in :mod:`~kvpush.connector.prefill.transfer`).
+Only this class changes the table or a record's phase.
 
-1. *half*: one half waits in the :class:`~kvpush.transfer.matcher.Matcher`
-   (its deadline is the matcher's; a streamed ready half's restarts with
-   each chunk, see :meth:`Pipeline._next_chunk`);
-2. *to post*: matched, waiting until decode's boot said Hello, the KV's
-   device fence completed and (fault injection only) a delay passed; all
-   within the registration's post deadline, which is checked right before
-   the post;
-3. *in flight*: a WRITE posted (:class:`~kvpush.connector.prefill.writes.Writes`).
-
-A transfer is a :class:`~kvpush.connector.prefill.stream.Stream` of
-WRITEs from its first chunk of KV on (one for a whole push): after the
-match it goes back to *to post* whenever something is due (a chunk
-arrived, a layer of a chunk pushed per layer was written, something was
-posted and more is known, or the WRITEs before its Done piece ended), so
-one transfer may be to post and in flight at once. A transfer that must end (cancelled,
-preempted, expired, a WRITE failed, decode lost) posts nothing more and
-ends when its last item in flight ended (:meth:`Pipeline._end`).
+Each tick: admit fault-delayed KV; post what is due (:meth:`Pipeline._post_due`:
+a record with something known and not yet posted, once decode's boot said
+Hello, its KV's device fence completed and any fault-injected delay
+passed, all before the registration's post deadline, which is checked
+right before the post); poll the WRITEs in flight
+(:class:`~kvpush.connector.prefill.writes.Writes`); judge deadlines and
+silent decodes. A transfer that must end (cancelled, preempted, expired, a
+WRITE failed, decode lost) posts nothing more and is freed when its last
+WRITE in flight ended (:meth:`Pipeline._close`).
 
 KV digests (``verify_kv``): the Done WRITE of a selected transfer carries,
 per decode rank, the digest of every byte the transfer writes to that
@@ -32,14 +30,16 @@ completed forwards, pinned until the transfer ends). The hash releases
 the GIL (vLLM's forward goes on) but holds this thread: about 1.5 s per
 GiB on the dev machine, during which no other WRITE is posted or polled.
 
-Every way out frees prefill's blocks (the request id goes to ``finished``)
-and, unless the WRITE's own Done said it, tells decode with a
-:class:`Failure`, prefill's final word: sent only once no WRITE of the
-transfer is in flight or can be posted later. Failures about a registered
-transfer go back on the socket its Registration came on (decode's
-scheduler, which forwards them to its worker), so they reach decode even
-before its Hello; answers to a Cancel or a Reconcile (decode reconnected:
-:mod:`~kvpush.connector.prefill.reconcile`) go on its socket.
+Every way out frees prefill's blocks (the request id goes to ``finished``,
+in :meth:`Pipeline._release` only, never while a WRITE reads them: the
+timing rule's prefill half, R1 of ``docs/design.md``) and, unless the
+WRITE's own Done said it, tells decode with a :class:`Failure`, prefill's
+final word: sent only once no WRITE of the transfer is in flight or can be
+posted later. Failures about a registered transfer go back on the socket
+its Registration came on (decode's scheduler, which forwards them to its
+worker), so they reach decode even before its Hello; answers to a Cancel
+or a Reconcile (decode reconnected: :mod:`~kvpush.connector.prefill.reconcile`)
+go on its socket (:class:`~kvpush.connector.prefill.tell.Teller`).
 """
 
 from __future__ import annotations
@@ -55,19 +55,25 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.kv_bytes import KvBytes
 from kvpush.connector.nixl_io import NixlIO
-from kvpush.connector.prefill.decode_peers import DecodePeers
-from kvpush.connector.prefill.endings import Endings
+from kvpush.connector.prefill import reconcile
+from kvpush.connector.prefill.decode_peers import DecodePeers, hello_slice
 from kvpush.connector.prefill.fence import LayerFences, ReadyFence
-from kvpush.connector.prefill.posting import Posting, ToPost
-from kvpush.connector.prefill.reconcile import Reconciler
-from kvpush.connector.prefill.stream import Stream, Streams
 from kvpush.connector.prefill.tell import Teller
+from kvpush.connector.prefill.transfer import (
+    Orphans,
+    Phase,
+    Transfer,
+    next_change,
+    polls_device,
+    sweep,
+)
 from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy, digest, source_ranges
 from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout
 from kvpush.transfer.matcher import (
+    Dropped,
     Matched,
     Matcher,
     MatcherConfig,
@@ -126,7 +132,9 @@ class Ready:
 
 
 class Pipeline:
-    """Pending halves, matched transfers, WRITEs in flight, known decodes."""
+    """The table of transfers (one :class:`Transfer` per transfer id from
+    its first ready KV on), the halves waiting in the matcher, the WRITEs
+    in flight (NIXL's handles) and the known decodes."""
 
     def __init__(
         self,
@@ -148,27 +156,19 @@ class Pipeline:
         self._peers = DecodePeers(config.peer_timeout_s)
         self._tp_size, self._rank = config.tp_size, config.rank
         self._total_kv_heads, self._use_mla = config.total_kv_heads, config.use_mla
+        self._transfers: dict[str, Transfer] = {}  # the one table
+        self._orphans = Orphans()  # ended before their last chunk came
         self._idle: OrderedDict[str, None] = OrderedDict()  # nothing to write
         self._writes = Writes(
             io, config.engine_id, tracer, counters, config.write_timeout_s, config.rank
         )
         self._later: list[tuple[float, int, Ready]] = []  # fault-delayed KV
         self._seq = itertools.count()
-        self._to_post = Posting()
-        self._streams = Streams()
         self._tell = Teller(config.engine_id, reply, counters, config.rank)
-        self._reconciler = Reconciler(
-            self._matcher, self._streams, self._tell, counters
-        )
-        self._endings = Endings(
-            self._streams,
-            self._to_post,
-            self._writes,
-            self._peers,
-            self._tell,
-            finished,
-            counters,
-        )
+
+    def transfer(self, tid: str) -> Transfer | None:
+        """The record of ``tid`` (None: no ready KV of it is held), to read."""
+        return self._transfers.get(tid)
 
     # -- events ------------------------------------------------------------
 
@@ -190,7 +190,7 @@ class Pipeline:
         elif isinstance(message, Cancel):
             self._decode_cancel(route, message, now)
         elif isinstance(message, Reconcile):
-            self._reconciler.answer(route, message, now)
+            self._reconcile(route, message, now)
         elif not isinstance(message, Heartbeat):
             self._counters.add("rejected.unexpected")
             logger.warning("kvpush writer: unexpected %s", type(message).__name__)
@@ -198,7 +198,7 @@ class Pipeline:
     def on_prefill_cancel(self, tid: str, now: float) -> None:
         """Prefill gave the request up (aborted before its KV was ready)."""
         self._counters.add("cancelled.by_prefill")
-        self._streams.forget_orphan(tid)
+        self._orphans.forget(tid)
         self._stop(tid, Cause.CANCELLED, "prefill cancelled the request", now)
 
     def on_preempt(self, tids: Iterable[str], now: float) -> None:
@@ -207,7 +207,7 @@ class Pipeline:
         finish. Its source stays intact (the scheduler pins the blocks until
         the request id goes to ``finished``, once no WRITE reads them)."""
         for tid in tids:
-            self._streams.forget_orphan(tid)
+            self._orphans.forget(tid)
             if not self._writes.has(tid):
                 self._counters.add("preempted.before_write")
             self._stop(tid, Cause.PREEMPTED, "prefill's request was preempted", now)
@@ -216,8 +216,7 @@ class Pipeline:
         self, fences: LayerFences, layer: int, fence: ReadyFence
     ) -> None:
         """One layer of a forward pushed per layer wrote its KV (once
-        ``fence`` says so); the streams waiting on it are in *to post*
-        already, and this tick's sweep posts what became ready."""
+        ``fence`` says so); this tick's sweep posts what became ready."""
         fences.saved(layer, fence)
 
     def pardon(self, now: float, gap_s: float) -> None:
@@ -233,11 +232,12 @@ class Pipeline:
 
     def wait_s(self, now: float) -> float:
         """How long the writer may sleep before the next due work."""
-        if any(self._waits_on_device(tid) for tid in self._to_post):
+        transfers = self._transfers.values()
+        if polls_device(transfers):
             return POLL_S
         due = [self._matcher.next_deadline(), self._writes.next_due(now)]
         due += [self._later[0][0]] if self._later else []
-        due.append(self._to_post.next_due(now))
+        due.append(next_change(transfers, now))
         soonest = min((d for d in due if d is not None), default=now + IDLE_WAIT_S)
         return min(IDLE_WAIT_S, max(0.0, soonest - now))
 
@@ -249,7 +249,7 @@ class Pipeline:
         self._writes.poll(now)
         return len(self._writes)
 
-    # -- phase 1: halves -------------------------------------------------------
+    # -- the halves: waiting -------------------------------------------------------
 
     def _admit_due(self, now: float) -> None:
         while self._later and self._later[0][0] <= now:
@@ -257,19 +257,19 @@ class Pipeline:
 
     def _admit(self, item: Ready, now: float) -> None:
         tid, req_id = item.ready.transfer_id, item.req_id
-        stream = self._streams.get(tid)
-        if stream is not None and stream.req_id == req_id:
-            self._next_chunk(stream, item, now)
+        transfer = self._transfers.get(tid)
+        if transfer is not None and transfer.req_id == req_id:
+            self._next_chunk(transfer, item, now)
             return
-        if self._streams.is_orphan(item.ready, req_id):
+        if self._orphans.take(item.ready, req_id):
             return  # its transfer already ended; nothing more is sent
         if tid in self._idle:  # registered; this rank writes none of it
             del self._idle[tid]
             self._finished(req_id)
             if not item.ready.final:
-                self._streams.orphan(tid, req_id)
+                self._orphans.add(tid, req_id)
             return
-        if stream is not None:  # another request's KV holds this id
+        if transfer is not None:  # another request's KV holds this id
             self._counters.add("rejected.duplicate")
             logger.warning("kvpush: second KV for transfer %s refused", tid)
             self._finished(req_id)
@@ -280,28 +280,27 @@ class Pipeline:
             logger.warning("kvpush: KV of %s refused: %s", tid, result.reason)
             self._finished(req_id)  # the matcher took nothing of ours
             if not item.ready.final:
-                self._streams.orphan(tid, req_id)
-            self._endings.drop_all(result.dropped, Cause.REJECTED)
+                self._orphans.add(tid, req_id)
+            self._drop_all(result.dropped, Cause.REJECTED)
             engine = item.ready.decode_engine_id  # None: late, nobody named
             if engine and result.code in ("invalid", "mismatch", "capacity"):
-                self._endings.fail(tid, engine, Cause.REJECTED, result.reason)
+                self._fail(tid, engine, Cause.REJECTED, result.reason)
             return
-        self._streams.open(Stream(req_id, item.ready, item.fence))
+        self._transfers[tid] = Transfer(req_id, item.ready, item.fence)
         if isinstance(result, Matched):
             self._matched(result, now)
 
-    def _next_chunk(self, stream: Stream, item: Ready, now: float) -> None:
-        """A later chunk of a stream this writer holds. While the stream is
-        not matched, every chunk (the final one too) restarts its ready
-        deadline in the matcher: finished KV waits ``ready_ttl_s`` from its
-        last chunk, however long the chunked prefill took."""
-        problem = stream.add(item.ready, item.fence)
+    def _next_chunk(self, transfer: Transfer, item: Ready, now: float) -> None:
+        """A later chunk of a transfer this writer holds. While it waits
+        for its registration, every chunk (the final one too) restarts its
+        ready deadline in the matcher: finished KV waits ``ready_ttl_s``
+        from its last chunk, however long the chunked prefill took."""
+        problem = transfer.add(item.ready, item.fence)
         if problem is None:
-            if stream.matched is None:
-                self._matcher.refresh_ready(stream.transfer_id, now)
-            self._schedule(stream, now)
+            if transfer.phase is Phase.WAITING:
+                self._matcher.refresh_ready(transfer.transfer_id, now)
             return
-        tid = stream.transfer_id
+        tid = transfer.transfer_id
         self._counters.add("rejected.invalid")
         logger.warning("kvpush: chunk of %s refused: %s", tid, problem)
         self._stop(tid, Cause.REJECTED, problem, now)
@@ -317,8 +316,8 @@ class Pipeline:
         if problem is not None:  # refused; the transfer is closed
             kind = "incompatible" if tp_problem else "out_of_range"
             self._counters.add(f"rejected.{kind}")
-            self._endings.drop_all(self._matcher.cancel(tid, problem, now), None)
-            self._endings.fail(tid, engine, Cause.REJECTED, problem, route)
+            self._drop_all(self._matcher.cancel(tid, problem, now), None)
+            self._fail(tid, engine, Cause.REJECTED, problem, route)
             return
         result = self._matcher.add_registration(reg, now)
         if isinstance(result, Rejected):
@@ -329,8 +328,8 @@ class Pipeline:
             if result.code == "claimed":  # it carries on for another decode
                 self._tell.refuse(tid, Cause.REJECTED, result.reason, route)
                 return
-            self._endings.drop_all(result.dropped, Cause.REJECTED)
-            self._endings.fail(tid, engine, Cause.REJECTED, result.reason, route)
+            self._drop_all(result.dropped, Cause.REJECTED)
+            self._fail(tid, engine, Cause.REJECTED, result.reason, route)
             return
         self._tell.registered(tid, route)
         ranks = pair.target_ranks(self._rank)
@@ -350,82 +349,57 @@ class Pipeline:
         word from it; its KV, in now or later, is freed at once."""
         self._counters.add("idle_rank")
         dropped = self._matcher.cancel(tid, "this rank writes nothing", now)
-        self._endings.drop_all(dropped, None)  # frees a ready KV already in
+        self._drop_all(dropped, None)  # frees a ready KV already in
         if not any(d.ready is not None for d in dropped):
             self._idle[tid] = None
             while len(self._idle) > MAX_IDLE:
                 self._idle.popitem(last=False)
 
-    # -- phase 2: matched, to post -------------------------------------------
+    # -- matched: posting ------------------------------------------------------
 
     def _matched(self, m: Matched, now: float) -> None:
-        stream = self._streams.get(m.transfer_id)
-        if stream is None:  # unreachable: the ready half opened a stream
-            raise RuntimeError(f"matched {m.transfer_id} has no stream")
+        transfer = self._transfers.get(m.transfer_id)
+        if transfer is None:  # unreachable: the ready half made the record
+            raise RuntimeError(f"matched {m.transfer_id} has no record")
         targets = self._pair(m.registration.decode_tp).targets_of(self._rank)
-        stream.match(m, self._block_size, self._io.layout.num_layers, targets)
-        stream.not_before = now + self._faults.post_delay_s()
-        self._schedule(stream, now)
-
-    def _schedule(self, stream: Stream, now: float) -> None:
-        """Back to *to post* if an item of this matched stream is due (not
-        before the fault file's post delay from the match, for every item:
-        a chunk due only after the match is held back as well)."""
-        m = stream.matched
-        if m is not None and m.transfer_id not in self._to_post and stream.has_due():
-            not_before = max(now, stream.not_before)
-            self._to_post.add(m, not_before, stream.target_ranks)
-
-    def _postable(self, tid: str) -> bool:
-        """A WRITE of ``tid`` is ready to post (its chunks' fences completed)."""
-        stream = self._streams.get(tid)
-        return stream is not None and stream.next_write() is not None
-
-    def _waits_on_device(self, tid: str) -> bool:
-        """``tid`` has nothing to post until a device fence completes (the
-        writer polls it; a layer not yet saved comes as an inbox event)."""
-        stream = self._streams.get(tid)
-        return (
-            stream is not None
-            and stream.waits_on_device()
-            and stream.next_write() is None
-        )
+        num_layers = self._io.layout.num_layers
+        not_before = now + self._faults.post_delay_s()
+        transfer.match(m, self._block_size, num_layers, targets, not_before)
 
     def _post_due(self, now: float) -> None:
-        postable, overdue = self._to_post.sweep(now, self._peers.knows, self._postable)
-        for late in overdue:
+        """Post what is due (not before the fault file's post delay from
+        the match, for every WRITE: a chunk due only after the match is
+        held back as well); close what missed its post deadline."""
+        due = sweep(self._transfers.values(), now, self._peers.knows)
+        for transfer, late in due.overdue:
             if late.event is not None:
                 self._counters.add(late.event)
-            tp = late.item
-            self._endings.end(tp.transfer_id, tp.engine, late.cause, late.why)
-        for tp in postable:
-            self._post(tp, now)
+            self._close(transfer, late.cause, late.why)
+        for transfer in due.postable:
+            self._post(transfer, now)
 
-    def _post(self, tp: ToPost, now: float) -> None:
-        m = tp.matched
-        stream = self._streams.get(m.transfer_id)
-        targets = stream.targets if stream is not None else ()
+    def _post(self, transfer: Transfer, now: float) -> None:
+        m, engine = transfer.matched, transfer.engine
+        write = transfer.next_write()
+        if m is None or write is None:  # unreachable: it was due and ready
+            return
         peers = [
             (peer, s)
-            for s in targets
-            if (peer := self._peers.get(tp.engine, s.dst_rank)) is not None
+            for s in transfer.targets
+            if (peer := self._peers.get(engine, s.dst_rank)) is not None
         ]
         problem = self._peers.range_problem(m.registration)
+        targets = transfer.targets
         if problem is not None or not targets or len(peers) < len(targets):
             self._counters.add("rejected.out_of_range")
-            self._endings.end(
-                m.transfer_id, tp.engine, Cause.REJECTED, problem or "no peer"
-            )
-            return
-        write = stream.next_write() if stream is not None else None
-        if stream is None or write is None:
+            self._close(transfer, Cause.REJECTED, problem or "no peer")
             return
         num_posted, total, problem = 0, len(m.dst_block_ids), None
         try:
             for peer, head_slice in peers:
-                digest = self._digest(stream, write.notify, peer.layout, head_slice)
+                digest = self._digest(transfer, write.notify, peer.layout, head_slice)
                 accepted = self._writes.post(
-                    write.items, peer, head_slice, tp.engine, now, total, digest
+                    write.items, peer, head_slice, engine, now, total, digest
                 )
                 num_posted += 1  # refused or not: in flight until released
                 if not accepted:
@@ -434,62 +408,57 @@ class Pipeline:
         except Exception as e:  # no handle: nothing of this one in flight
             problem = str(e)
         if num_posted:
-            stream.posted(write, num_posted)
+            transfer.posted(write, num_posted)
         if problem is not None:  # ends once its WRITEs in flight ended
-            self._endings.end(m.transfer_id, tp.engine, Cause.WRITE_FAILED, problem)
-            return
-        self._schedule(stream, now)  # the next layers, as they are written
+            self._close(transfer, Cause.WRITE_FAILED, problem)
 
     def _digest(
-        self, stream: Stream, notify: bool, dst: KvLayout, head_slice: HeadSlice
+        self, transfer: Transfer, notify: bool, dst: KvLayout, head_slice: HeadSlice
     ) -> bytes | None:
         """The KV digest the Done to ``head_slice``'s decode rank carries
         (None: not a Done WRITE, or a transfer the policy does not select)."""
         if not notify or self._memory is None:
             return None
-        if not self._verify.selects(stream.transfer_id):
+        if not self._verify.selects(transfer.transfer_id):
             return None
-        src, dst_ids = stream.whole()
+        src, dst_ids = transfer.whole()
         ranges = source_ranges(src, dst_ids, self._io.layout, dst, head_slice)
         return digest(ranges, self._memory.read)
 
-    # -- phase 3: in flight ----------------------------------------------------
+    # -- in flight -------------------------------------------------------------
 
     def _poll(self, now: float) -> None:
-        ended = self._writes.poll(now)
-        for flight, outcome in ended:
-            self._write_ended(flight, outcome, now)
+        for flight, outcome in self._writes.poll(now):
+            self._write_ended(flight, outcome)
 
-    def _write_ended(self, flight: InFlight, outcome: Outcome, now: float) -> None:
+    def _write_ended(self, flight: InFlight, outcome: Outcome) -> None:
         tid, engine = flight.transfer_id, flight.engine_id
-        stream = self._streams.get(tid)
-        if stream is None:  # unreachable: a stream ends only with no WRITE
-            logger.error("kvpush: a WRITE of %s ended with no stream", tid)
+        transfer = self._transfers.get(tid)
+        if transfer is None:  # unreachable: freed only with no WRITE
+            logger.error("kvpush: a WRITE of %s ended with no record", tid)
             return
-        stream.item_ended()
+        transfer.item_ended()
         if outcome is Outcome.DONE and flight.notify:  # its Done reached its rank
-            stream.done_ranks.add(flight.dst_rank)
-            if stream.is_written:  # every target's Done: the final word
+            transfer.done_ranks.add(flight.dst_rank)
+            if transfer.is_written:  # every target's Done: the final word
                 self._tracer.mark(tid, "write_done")
-                self._endings.release(tid)
+                self._release(tid)
                 self._tell.done(tid, engine, flight.num_blocks)
                 return
-            if stream.closing is None:
+            if transfer.closing is None:
                 return  # other targets' Done WRITEs are in flight
         if outcome is not Outcome.DONE:
-            stream.write_failed()
-        if stream.closing is None:
-            self._schedule(stream, now)
-        elif stream.in_flight == 0:
+            transfer.write_failed()
+        if transfer.closing is not None and transfer.in_flight == 0:
             self._tracer.mark(tid, "write_ended")
-            self._endings.finish(stream)
+            self._finish(transfer)
 
     # -- deadlines and peers -------------------------------------------------
 
     def _expire(self, now: float) -> None:
-        self._endings.drop_all(self._matcher.expire(now), Cause.EXPIRED)
+        self._drop_all(self._matcher.expire(now), Cause.EXPIRED)
         engines = self._matcher.engines_with_registrations()
-        engines |= self._to_post.engines() | self._streams.engines_waited_on()
+        engines |= {t.engine for t in self._transfers.values() if t.waits_on_decode}
         for engine in self._peers.silent(engines, now):
             self._forget(engine, f"no message for {self._peers.timeout_s:.0f} s", now)
 
@@ -497,7 +466,9 @@ class Pipeline:
         known = self._peers.get(hello.engine_id)
         if known is not None and known.boot_id != hello.boot_id:
             self._forget(hello.engine_id, "decode restarted", now, hello.boot_id)
-        problem, head_slice = self._rank_problem(hello)
+        problem, head_slice = hello_slice(
+            hello, self._tp_size, self._rank, self._total_kv_heads, self._use_mla
+        )
         if head_slice is not None:
             problem = self._peers.accept(
                 hello, route, self._io.layout, self._io.load_peer, head_slice
@@ -519,30 +490,6 @@ class Pipeline:
                 problem,
             )
 
-    def _rank_problem(self, hello: Hello) -> tuple[str | None, HeadSlice | None]:
-        """What this rank writes to the decode rank that said ``hello``
-        (:class:`~kvpush.transfer.ranks.TpPair`), or why it writes nothing:
-        (problem, None) or (None, its head slice)."""
-        mine, theirs = self._total_kv_heads, hello.total_kv_heads
-        if mine and theirs and mine != theirs:
-            return (
-                f"the model's KV heads differ: prefill has {mine}, decode "
-                f"{theirs} (serve the same model on both)",
-                None,
-            )
-        pair = TpPair(self._tp_size, hello.tp_size, mine if mine == theirs else 0)
-        problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT, self._use_mla)
-        if problem is not None:
-            return problem, None
-        for head_slice in pair.targets_of(self._rank):
-            if head_slice.dst_rank == hello.rank:
-                return None, head_slice
-        return (
-            f"prefill rank {self._rank} does not write to decode rank "
-            f"{hello.rank} (a decode rank says Hello only to its sources)",
-            None,
-        )
-
     def _forget(
         self, engine: str, why: str, now: float, new_boot: str | None = None
     ) -> None:
@@ -562,21 +509,52 @@ class Pipeline:
                 if r.decode_boot_id != new_boot
             }
         for tid in gone:
-            self._endings.drop_all(self._matcher.cancel(tid, why, now), tell)
-        for stream in self._streams.of_engine(engine, new_boot):
-            self._endings.end(stream.transfer_id, engine, tell, why)
+            self._drop_all(self._matcher.cancel(tid, why, now), tell)
+        for transfer in [
+            t
+            for t in self._transfers.values()
+            if t.matched is not None and t.engine == engine and t.boot != new_boot
+        ]:
+            self._close(transfer, tell, why)
         self._peers.forget(engine, dead=new_boot is None)
+
+    def _reconcile(self, route: bytes, message: Reconcile, now: float) -> None:
+        """Decode ``message.engine_id`` reconnected and waits on these ids
+        (:mod:`~kvpush.connector.prefill.reconcile`)."""
+        engine = message.engine_id
+        logger.info(
+            "kvpush: decode %s (boot %s) reconnected; it waits on %d transfers",
+            engine,
+            message.boot_id,
+            len(message.transfer_ids),
+        )
+        for tid in message.transfer_ids:
+            holds = self._matcher.is_pending(tid) or tid in self._transfers
+            owner = self._matcher.registered_by(tid)
+            answer = reconcile.answer(engine, owner, holds)
+            if answer is reconcile.Answer.OTHER_DECODE:
+                self._counters.add("reconciled.ended")
+                why = "another decode registered for this transfer"
+                self._tell.refuse(tid, Cause.REJECTED, why, route)
+            elif answer is reconcile.Answer.LIVE:
+                self._counters.add("reconciled.live")
+                self._tell.reconciled(tid, route)  # its Failure goes here too
+            else:
+                self._counters.add("reconciled.ended")
+                # Not pending, so this only closes the id (drops nothing).
+                self._matcher.cancel(tid, "reconciled with decode", now)
+                self._tell.again(tid, engine, route)
 
     # -- endings ---------------------------------------------------------------
 
     def _stop(self, tid: str, cause: Cause, why: str, now: float) -> None:
         """Close ``tid`` wherever it is; WRITEs in flight run to their end
         (see :mod:`kvpush.connector.prefill.writes`)."""
-        stream = self._streams.matched(tid)
-        if stream is not None:
-            self._endings.end(tid, stream.engine, cause, why)
+        transfer = self._transfers.get(tid)
+        if transfer is not None and transfer.matched is not None:
+            self._close(transfer, cause, why)
         else:
-            self._endings.drop_all(self._matcher.cancel(tid, why, now), cause)
+            self._drop_all(self._matcher.cancel(tid, why, now), cause)
 
     def _decode_cancel(self, route: bytes, cancel: Cancel, now: float) -> None:
         """Decode gave the transfer up: stop it wherever it is, and answer
@@ -590,9 +568,77 @@ class Pipeline:
             # another decode registered for it: this one has nothing to cancel
             self._tell.refuse(tid, Cause.CANCELLED, why, route)
             return
-        stream = self._streams.matched(tid)
-        if stream is not None:
-            self._endings.end(tid, cancel.engine_id, Cause.CANCELLED, why, route)
+        transfer = self._transfers.get(tid)
+        if transfer is not None and transfer.matched is not None:
+            self._close(transfer, Cause.CANCELLED, why, route)
             return
-        self._endings.drop_all(self._matcher.cancel(tid, cancel.reason, now), None)
-        self._endings.fail(tid, cancel.engine_id, Cause.CANCELLED, why, route)
+        self._drop_all(self._matcher.cancel(tid, cancel.reason, now), None)
+        self._fail(tid, cancel.engine_id, Cause.CANCELLED, why, route)
+
+    def _close(
+        self,
+        transfer: Transfer,
+        cause: Cause | None,
+        why: str,
+        route: bytes | None = None,
+    ) -> None:
+        """A matched transfer will not complete: ENDING, nothing more of it
+        is posted; once no WRITE of it is in flight, free our blocks and
+        tell decode (``cause`` None: nobody is left to tell), on ``route``
+        too (a Cancel's: each decode rank that cancelled is answered)."""
+        if route is not None:
+            self._tell.asked(transfer.transfer_id, route)
+        transfer.close(cause, why)
+        if transfer.in_flight == 0:
+            self._finish(transfer)
+
+    def _finish(self, transfer: Transfer) -> None:
+        """A closed transfer's last WRITE ended (or it had none): its word
+        goes to every route the :class:`Teller` keeps for it."""
+        closing, tid = transfer.closing, transfer.transfer_id
+        self._release(tid)
+        if closing is None or closing.cause is None:
+            self._tell.closed(tid)
+        else:
+            self._fail(tid, transfer.engine, closing.cause, closing.why)
+
+    def _drop_all(self, dropped: Iterable[Dropped], cause: Cause | None) -> None:
+        """Free what the matcher let go and, unless ``cause`` is None (the
+        caller answers decode itself, or nobody is left to tell), tell decode.
+        An expired ready KV tells decode too: its registration was lost, and
+        decode should not wait out its own deadline. A late-bound ready KV
+        that no decode claimed has nobody to tell."""
+        for d in dropped:
+            if d.ready is not None:
+                self._release(d.transfer_id)
+            if cause is Cause.EXPIRED:
+                self._counters.add(f"expired.{d.side}")
+            if cause is not None and d.notify_engine_id:
+                self._fail(d.transfer_id, d.notify_engine_id, cause, d.reason)
+            else:
+                self._tell.closed(d.transfer_id)
+
+    def _release(self, tid: str) -> None:
+        """Prefill's blocks for ``tid`` may be freed: the one place that
+        says so (its record leaves the table), and only when no WRITE of
+        ``tid`` reads them."""
+        if self._writes.has(tid):  # unreachable: callers wait for the WRITEs
+            logger.error("kvpush: kept the blocks of %s: a WRITE reads them", tid)
+            return
+        transfer = self._transfers.pop(tid, None)
+        if transfer is not None:
+            if not transfer.final:  # a later chunk of it is an orphan's
+                self._orphans.add(tid, transfer.req_id)
+            self._finished(transfer.req_id)
+
+    def _fail(
+        self,
+        tid: str,
+        engine: str,
+        cause: Cause,
+        detail: str,
+        route: bytes | None = None,
+    ) -> None:
+        """Prefill's final word on ``tid`` (see :class:`Teller`)."""
+        peer = self._peers.get(engine)
+        self._tell.fail(tid, cause, detail, route, peer.route if peer else None)

@@ -6,10 +6,10 @@ a Failure prefill sent to a decode during a partition is lost, and the
 decode's old sockets (the routes prefill answers on) are gone with it.
 After the connection comes back decode sends a
 :class:`~kvpush.transfer.messages.Reconcile` naming every receive it still
-waits on from this prefill. For each id, :meth:`Reconciler.answer`:
+waits on from this prefill. For each id, :func:`answer` says what to do:
 
-* prefill still *holds* it (a half waiting in the matcher, or a matched
-  stream: an item to post, a chunk still to come, or a WRITE in flight):
+* prefill still *holds* it (a half waiting in the matcher, or a
+  :class:`~kvpush.connector.prefill.transfer.Transfer` in any phase):
   it carries on, and its final word will reach this decode rank: the
   WRITE's Done as its NIXL notification, a Failure on the Reconcile's
   socket (and on every other decode rank's that reconciled it: with decode
@@ -20,61 +20,30 @@ waits on from this prefill. For each id, :meth:`Reconciler.answer`:
   the matcher's tombstone time), and prefill says its final word again
   (:meth:`~kvpush.connector.prefill.tell.Teller.again`): the Failure it
   sent, the Done of a WRITE NIXL reported complete, or ``Failure(peer_lost)``
-  when it remembers none.
+  when it remembers none;
+* a transfer another decode registered for: never written for this one;
+  refused (a Failure on the Reconcile's socket), nothing else changes.
 
-Owned by the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
-(the writer thread), over the pipeline's own parts; no I/O of its own.
+Pure: the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
+asks :func:`answer` per id and does what it says.
 """
 
 from __future__ import annotations
 
-import logging
-
-from kvpush.connector.counters import Counters
-from kvpush.connector.prefill.stream import Streams
-from kvpush.connector.prefill.tell import Teller
-from kvpush.transfer.matcher import Matcher
-from kvpush.transfer.messages import Cause, Reconcile
-
-logger = logging.getLogger(__name__)
+import enum
 
 
-class Reconciler:
-    """Answers Reconciles from the pipeline's matcher and streams."""
+class Answer(enum.Enum):
+    """What prefill does about one id a decode reconciled."""
 
-    def __init__(
-        self, matcher: Matcher, streams: Streams, tell: Teller, counters: Counters
-    ) -> None:
-        self._matcher, self._streams = matcher, streams
-        self._tell, self._counters = tell, counters
+    OTHER_DECODE = "other_decode"  # refuse it: another decode's transfer
+    LIVE = "live"  # held: its final word goes to the Reconcile's socket too
+    ENDED = "ended"  # not held: close the id, say the final word again
 
-    def holds(self, tid: str) -> bool:
-        """Whether a WRITE of ``tid`` is in flight or may still be posted: a
-        half in the matcher, or a matched stream (to post, waiting for its
-        next chunk, or with items in flight) that has not ended."""
-        return self._matcher.is_pending(tid) or tid in self._streams
 
-    def answer(self, route: bytes, reconcile: Reconcile, now: float) -> None:
-        """Decode ``reconcile.engine_id`` waits on these ids (from ``route``)."""
-        logger.info(
-            "kvpush: decode %s (boot %s) reconnected; it waits on %d transfers",
-            reconcile.engine_id,
-            reconcile.boot_id,
-            len(reconcile.transfer_ids),
-        )
-        for tid in reconcile.transfer_ids:
-            owner = self._matcher.registered_by(tid)
-            if owner is not None and owner != reconcile.engine_id and self.holds(tid):
-                # another decode's: it is never written for this one
-                self._counters.add("reconciled.ended")
-                why = "another decode registered for this transfer"
-                self._tell.refuse(tid, Cause.REJECTED, why, route)
-                continue
-            if self.holds(tid):
-                self._counters.add("reconciled.live")
-                self._tell.reconciled(tid, route)  # its Failure goes here too
-                continue
-            self._counters.add("reconciled.ended")
-            # Not pending, so this only closes the id (drops nothing).
-            self._matcher.cancel(tid, "reconciled with decode", now)
-            self._tell.again(tid, reconcile.engine_id, route)
+def answer(engine: str, owner: str | None, holds: bool) -> Answer:
+    """The answer to decode ``engine`` about an id that ``owner`` (None:
+    no decode) registered for, which prefill ``holds`` or not."""
+    if owner is not None and owner != engine and holds:
+        return Answer.OTHER_DECODE
+    return Answer.LIVE if holds else Answer.ENDED

@@ -1,9 +1,11 @@
-"""One prefill transfer as a stream of work items, from its first chunk of
-KV to its last WRITE.
+"""The stream state of one prefill transfer: its chunks of KV, what of
+them was posted, and the next WRITE to cut.
 
-Owned by the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
-(the writer thread); pure bookkeeping, no I/O. Every transfer is a stream:
-a whole push (``--push-granularity request``) is a stream of one chunk.
+The state of :class:`~kvpush.connector.prefill.transfer.Transfer` (the
+record the writer's :class:`~kvpush.connector.prefill.pipeline.Pipeline`
+holds per transfer, which adds its phase); pure bookkeeping, no I/O. Every
+transfer is a stream: a whole push (``--push-granularity request``) is a
+stream of one chunk.
 
 * Chunks arrive in prompt order (:meth:`Stream.add`), each with the device
   fence of the forward that computed it; a block may be sent once its
@@ -28,14 +30,12 @@ a whole push (``--push-granularity request``) is a stream of one chunk.
   pieces wait for every earlier WRITE to every target; the transfer is
   written once every target's Done WRITE completed (:attr:`Stream.done_ranks`).
 * Once :meth:`Stream.close` is called (cancelled, preempted, expired, a
-  WRITE failed, decode lost) nothing more is offered; the pipeline ends
-  the transfer when its last WRITE in flight ends (:attr:`in_flight`).
+  WRITE failed, decode lost) nothing more is offered; the pipeline frees
+  the transfer when its last WRITE in flight ends (:attr:`Stream.in_flight`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvpush.connector.prefill.fence import LayerFences, ReadyFence
@@ -43,8 +43,6 @@ from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause
 from kvpush.transfer.work import WorkItem
-
-MAX_ORPHANS = 4096  # ended streams whose later chunks are still to come
 
 
 @dataclass(frozen=True)
@@ -285,71 +283,3 @@ class Stream:
             known = blocks
             ends[:top] = [known] * top
         return ends
-
-
-class Streams:
-    """Every transfer the writer holds a chunk of, by transfer id, and the
-    ended ones whose later chunks may still come (they are dropped)."""
-
-    def __init__(self) -> None:
-        self._streams: dict[str, Stream] = {}
-        self._orphans: OrderedDict[str, str] = OrderedDict()  # tid -> req id
-
-    def open(self, stream: Stream) -> None:
-        self._streams[stream.transfer_id] = stream
-
-    def get(self, tid: str) -> Stream | None:
-        return self._streams.get(tid)
-
-    def matched(self, tid: str) -> Stream | None:
-        """The stream of ``tid`` if the writer owns it (matched)."""
-        stream = self._streams.get(tid)
-        return stream if stream is not None and stream.matched else None
-
-    def pop(self, tid: str) -> Stream | None:
-        """Forget ``tid``'s stream; a later chunk of it will be an orphan's."""
-        stream = self._streams.pop(tid, None)
-        if stream is not None and not stream.final:
-            self.orphan(tid, stream.req_id)
-        return stream
-
-    def orphan(self, tid: str, req_id: str) -> None:
-        """``req_id``'s transfer ended before its last chunk came."""
-        self._orphans[tid] = req_id
-        while len(self._orphans) > MAX_ORPHANS:
-            self._orphans.popitem(last=False)
-
-    def is_orphan(self, chunk: ReadyKv, req_id: str) -> bool:
-        """A chunk of a transfer that already ended (forgotten at its last)."""
-        if self._orphans.get(chunk.transfer_id) != req_id:
-            return False
-        if chunk.final:
-            del self._orphans[chunk.transfer_id]
-        return True
-
-    def forget_orphan(self, tid: str) -> None:
-        """Its request will send no more chunks (aborted or preempted)."""
-        self._orphans.pop(tid, None)
-
-    def of_engine(self, engine: str, other_than_boot: str | None) -> list[Stream]:
-        """Matched streams registered by ``engine`` (and not by that boot)."""
-        return [
-            s
-            for s in self._streams.values()
-            if s.matched is not None
-            and s.engine == engine
-            and s.matched.registration.decode_boot_id != other_than_boot
-        ]
-
-    def engines_waited_on(self) -> set[str]:
-        """Decodes with a matched stream that still has items to post."""
-        return {s.engine for s in self._streams.values() if s.is_open}
-
-    def __contains__(self, tid: str) -> bool:
-        return tid in self._streams
-
-    def __iter__(self) -> Iterator[Stream]:
-        return iter(list(self._streams.values()))
-
-    def __len__(self) -> int:
-        return len(self._streams)
