@@ -122,9 +122,13 @@ class InlineProgress:
 
     def __init__(self, io: FakeNixlIO) -> None:
         self._io = io
+        self.wanted: list[bool] = []  # every want() the worker said
 
     def take(self) -> list[bytes]:
         return self._io.notifications()
+
+    def want(self, awaited: bool) -> None:
+        self.wanted.append(awaited)
 
     def close(self) -> bool:
         return True

@@ -20,8 +20,19 @@ attributes set at construction (``name``, ``metadata``, ``layout``); it
 closes the agent only after :meth:`Progress.close` saw this thread stop.
 Decode posts no WRITEs, so nothing else on decode calls NIXL.
 
-Cost and limits: about 3 % of a core on the 2-core dev machine (an idle
-agent, ~900 reads a second; one read takes under 1 us). The thread needs
+Polling only while a receive is awaited: the worker's main thread says
+at each ``bind`` and ``get_finished`` whether any receive is pending
+(:meth:`Progress.want`); with none, the thread blocks on an event and
+reads nothing (it wakes every :data:`IDLE_WAKE_S` only to see whether it
+should stop). Nothing is lost while it sleeps: a notification waits in
+NIXL until the next read, and a WRITE to this decode is posted only after
+decode registered its blocks, which its worker learns in the same step's
+``bind``, before the forward. On a GPU host the Python thread would
+otherwise take the GIL a thousand times a second from the model runner
+for nothing.
+
+Cost and limits while polling: about 3 % of a core on the 2-core dev
+machine (~900 reads a second; one read takes under 1 us). The thread needs
 the GIL for each read: while the main thread runs Python code it gets it
 within the interpreter's switch interval (5 ms), and a NIXL call that keeps
 the GIL (none on decode's main thread) would hold it back.
@@ -40,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.001  # between two reads of the notifications (1 kHz)
 JOIN_S = 2.0  # close(): how long to wait for the thread
+IDLE_WAKE_S = 1.0  # with no receive awaited: how often the thread wakes
 
 
 class NotificationSource(Protocol):
@@ -52,12 +64,19 @@ class Progress:
     """Thread ``kvpush-nixl-progress`` of one decode worker."""
 
     def __init__(
-        self, io: NotificationSource, counters: Counters, poll_s: float = POLL_S
+        self,
+        io: NotificationSource,
+        counters: Counters,
+        poll_s: float = POLL_S,
+        idle_wake_s: float = IDLE_WAKE_S,
     ) -> None:
         self._io, self._counters, self._poll_s = io, counters, poll_s
+        self._idle_wake_s = idle_wake_s
         self._queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._wanted = threading.Event()  # set: a receive is awaited
         self.num_polls = 0  # written by the thread only (tests read it)
+        self.num_idle_wakes = 0  # woke with nothing awaited (no read)
         self.num_notifications = 0
         self._thread = threading.Thread(
             target=self._run, name="kvpush-nixl-progress", daemon=True
@@ -74,10 +93,24 @@ class Progress:
             except queue.Empty:
                 return out
 
+    def want(self, awaited: bool) -> None:
+        """Whether a receive is awaited (main thread): poll NIXL while one
+        is, sleep while none is."""
+        if awaited:
+            self._wanted.set()
+        else:
+            self._wanted.clear()
+
+    @property
+    def polling(self) -> bool:
+        """Whether the thread reads NIXL now (a receive is awaited)."""
+        return self._wanted.is_set()
+
     def close(self, timeout_s: float = JOIN_S) -> bool:
         """Stop the thread; True once it ended (only then may the agent be
         closed)."""
         self._stop.set()
+        self._wanted.set()  # wake it if it sleeps
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.error(
@@ -88,7 +121,12 @@ class Progress:
 
     def _run(self) -> None:
         failing = False
-        while not self._stop.wait(self._poll_s):
+        while not self._stop.is_set():
+            if not self._wanted.wait(self._idle_wake_s):
+                self.num_idle_wakes += 1  # nothing awaited: no read
+                continue
+            if self._stop.wait(self._poll_s):
+                return
             try:
                 payloads = self._io.notifications()
             except Exception:  # NIXL raised: keep polling, say so once

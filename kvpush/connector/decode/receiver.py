@@ -4,7 +4,7 @@ entry for its destination blocks.
 
 Pure: the worker feeds it what happened (``now`` from its clock) and takes
 the results with :meth:`Receiver.take`. The rule it enforces (the timing
-rule of ``docs/architecture.md``):
+rule, R1 of ``docs/design.md``):
 
     Decode gives its destination blocks back to vLLM only once no WRITE can
     land in them any more: after prefill's final word on the transfer (the
@@ -356,6 +356,10 @@ class Receiver:
         """Transfer ids awaited from the prefill rank at ``address``
         (quarantined, aborted or not), in the order they were expected."""
         return [t for t, e in self._pending.items() if e.rank_at(address) is not None]
+
+    def pending(self) -> int:
+        """Receives not yet ended (waiting, aborted or quarantined)."""
+        return len(self._pending)
 
     def awaited(self) -> frozenset[Address]:
         """Side-channel addresses of the prefill ranks we are waiting on."""

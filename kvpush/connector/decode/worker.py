@@ -175,6 +175,12 @@ class DecodeWorker:
             self._receiver.abort(tid)
         self._ask_final_words()
         self._heartbeats.set_targets(self._receiver.awaited())
+        self._want_progress()
+
+    def _want_progress(self) -> None:
+        """NIXL is read while a receive is pending, not otherwise."""
+        if self._progress is not None:
+            self._progress.want(self._receiver.pending() > 0)
 
     def _greet(self, address: Address) -> None:
         """Say Hello to a prefill once per connection."""
@@ -220,6 +226,7 @@ class DecodeWorker:
         self._receiver.expire(now)
         self._ask_final_words()
         self._heartbeats.set_targets(self._receiver.awaited())
+        self._want_progress()
         results = self._receiver.take()
         self._load_errors |= results.load_errors
         return results.finished
