@@ -8,13 +8,15 @@ percentiles), ``timeline`` (server timelines and the handover phases),
 ``report_net`` (its multi-host rehearsal parts), ``links`` (bytes over the
 rehearsal links, CPU per GiB), ``bandwidth`` (achieved MiB/s per KV
 transfer, from kvpush's traces or vLLM's NIXL histograms; ``/metrics``
-read with ``kvpush.telemetry``), ``sections``
-(marked sections of BENCHMARKS.md; the soak, ``kvpush_lab.soak``, writes one
-too). I/O shells:
+read with ``kvpush.telemetry``), ``results`` (a published section's typed
+results.json; the soak and the micro-benchmarks write one too), ``export``
+(a run's summary as those results), ``render`` (BENCHMARKS.md and each
+section's README.md from every results.json). I/O shells:
 ``inputs`` (model, tokenizer, traces), ``client`` (streaming HTTP),
 ``loadgen`` (Poisson or fixed-concurrency sending), ``resources`` (machine,
 versions, per-instance CPU and memory), ``runner`` (clusters in turn),
-``plots``, ``outputs`` (report, plots, BENCHMARKS.md), ``screen`` (the
+``plots``, ``outputs`` (report, plots, results.json; publishing a
+section), ``screen`` (the
 final table), ``cli`` (the ``bench`` subcommand).
 """
 

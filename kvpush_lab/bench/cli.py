@@ -172,7 +172,8 @@ def add_parser(sub: Any) -> None:
         help="compare configurations side by side on one workload",
         description=(
             "Run each configuration in turn (fresh cluster, warm-up, the same "
-            "requests) and write raw records, summary.json, report.md and plots. "
+            "requests) and write raw records, summary.json, results.json, "
+            "report.md and plots. "
             "With --base-url URL, measure a deployment that is already running "
             "instead, starting nothing."
         ),
@@ -190,12 +191,13 @@ def add_parser(sub: Any) -> None:
         p.add_argument(alias, dest=_alias_dest(dest), type=kind, help=argparse.SUPPRESS)
     p.add_argument(
         "--publish", nargs="?", const=Path("."), type=Path, metavar="ROOT",
-        help="also write ROOT/BENCHMARKS.md and ROOT/docs/bench/*.png (ROOT: .)",
+        help="also replace ROOT/docs/bench/SECTION/ (results.json and the "
+        "plots) and render ROOT/BENCHMARKS.md again from every section (ROOT: .)",
     )  # fmt: skip
     p.add_argument(
         "--section", metavar="NAME",
-        help="with --publish: write only section NAME of BENCHMARKS.md (between "
-        "its <!-- NAME:begin/end --> markers) and docs/bench/NAME/*.png",
+        help="the run's section name in results.json and under docs/bench "
+        "(default: the workload's, e.g. qps-sweep, saturation)",
     )  # fmt: skip
     p.add_argument("--title", help="the report's title")
     p.add_argument(
@@ -291,20 +293,18 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run_command(args: argparse.Namespace) -> int:
     from kvpush_lab.bench.outputs import publish, write_outputs
+    from kvpush_lab.bench.results import check_section_name
     from kvpush_lab.bench.screen import print_summary
-    from kvpush_lab.bench.sections import check_section_name
     from kvpush_lab.bench.summary import load_summary
 
     console = Console()
-    if args.section is not None and args.publish is None:
-        raise ValueError("--section names where --publish writes: add --publish")
     if args.section is not None:
         check_section_name(args.section)
     if args.render:
         out_dir, summary = args.render, load_summary(args.render)
     else:
         out_dir, summary = _run(args, console)
-    files = write_outputs(out_dir, summary, args.title)
+    files = write_outputs(out_dir, summary, args.title, args.section)
     if args.publish is not None:
         files += publish(out_dir, summary, args.publish, args.section, args.title)
     print_summary(console, summary, files)

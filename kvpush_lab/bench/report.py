@@ -3,8 +3,8 @@
 One table per sweep point with every configuration's figures, then the
 ratios to ``colocated`` and to ``vllm-pull`` from the same run, the handover
 decomposition where a configuration wrote server timelines, and each
-instance's CPU and memory. ``BENCHMARKS.md`` is the same report with a
-different title, preamble and image folder. A multi-host rehearsal's run
+instance's CPU and memory: a run's ``report.md``, and its section's
+``docs/bench/<section>/README.md`` once published. A multi-host rehearsal's run
 repeats the point sections per link rate and adds the parts of
 :mod:`kvpush_lab.bench.report_net` (overhead, bytes over the links, bandwidth
 per transfer).
@@ -12,6 +12,7 @@ per transfer).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from kvpush_lab.bench.report_endpoint import (
@@ -25,7 +26,6 @@ from kvpush_lab.bench.report_rounds import rounds_section
 from kvpush_lab.bench.report_saturation import saturation_sections
 from kvpush_lab.bench.report_scenario import scenario_sections, workload_line
 from kvpush_lab.bench.report_sweep import sweep_sections
-from kvpush_lab.bench.sections import demote_headings
 from kvpush_lab.bench.stats import Dist, PointStats, ratio
 from kvpush_lab.bench.summary import BenchSummary, PointInfo, rate
 from kvpush_lab.bench.timeline import HandoverStats
@@ -95,6 +95,19 @@ def render_report(
     return _joined(parts) + "\n"
 
 
+def demote_headings(markdown: str) -> str:
+    """Every markdown heading one level down (``#`` -> ``##``), outside
+    fenced code blocks: a whole report as a part of another."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,5} ", line):
+            line = "#" + line
+        out.append(line)
+    return "\n".join(out) + ("\n" if markdown.endswith("\n") else "")
+
+
 def _joined(parts: Sequence[str]) -> str:
     return "\n\n".join(p.strip() for p in parts if p.strip())
 
@@ -143,42 +156,63 @@ def _headline(summary: BenchSummary) -> str:
     )
 
 
-def _setup(summary: BenchSummary) -> str:
+def setup_fields(summary: BenchSummary) -> dict[str, str]:
+    """The Setup lines' texts, by :class:`kvpush_lab.bench.results.Setup`
+    field: machine, versions, model and clusters (or the endpoint measured),
+    workload, and the rehearsal's hosts."""
     m, s, v = summary.machine, summary.settings, summary.versions
+    fields = {
+        "machine": f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores "
+        f"({m.get('usable_cores', '?')} usable), {m.get('memory_gb', '?')} GB "
+        f"memory; {m.get('os', '?')}; Python {m.get('python', '?')}",
+        "versions": ", ".join(f"{k} {val}" for k, val in v.items()),
+    }
+    endpoint = endpoint_of(summary)
+    if endpoint is not None:
+        fields["endpoint"] = (
+            f"{endpoint.get('url')} (configuration {endpoint.get('label')}), "
+            f"model {endpoint.get('served_model')}"
+        )
+    else:
+        fields["model"] = (
+            f"{s.get('model_description', s.get('model'))}, dtype "
+            f"{s.get('dtype')}, max_model_len {s.get('max_model_len')}" + _chunk_note(s)
+        )
+        fields["clusters"] = (
+            f"colocated = 1 instance; P/D = {s.get('num_prefill')} prefill + "
+            f"{s.get('num_decode')} decode; {_cores_line(s)}, the kvpush router "
+            "in front of each"
+        )
+    fields["workload"] = _workload_line(s)
+    hosts = hosts_line(summary)
+    if hosts:
+        fields["hosts"] = hosts
+    return fields
+
+
+def _setup(summary: BenchSummary) -> str:
+    f = setup_fields(summary)
     lines = [
         "## Setup",
         "",
-        f"- **{_machine_name(summary)}:** {m.get('cpu_model', '?')}, "
-        f"{m.get('cores', '?')} cores "
-        f"({m.get('usable_cores', '?')} usable), {m.get('memory_gb', '?')} GB memory; "
-        f"{m.get('os', '?')}; Python {m.get('python', '?')}",
-        "- **Versions:** " + ", ".join(f"{k} {val}" for k, val in v.items()),
-        *_served_lines(summary),
-        f"- **Workload:** {_workload_line(s)}",
+        f"- **{_machine_name(summary)}:** {f['machine']}",
+        f"- **Versions:** {f['versions']}",
     ]
-    hosts = hosts_line(summary)
-    return "\n".join([*lines, hosts] if hosts else lines)
+    endpoint = endpoint_of(summary)
+    if endpoint is not None:
+        lines += endpoint_lines(endpoint)
+    else:
+        lines += [f"- **Model:** {f['model']}", f"- **Clusters:** {f['clusters']}"]
+    lines.append(f"- **Workload:** {f['workload']}")
+    if "hosts" in f:
+        lines.append(f"- **Hosts:** {f['hosts']}")
+    return "\n".join(lines)
 
 
 def _machine_name(summary: BenchSummary) -> str:
     """Whose machine Setup describes: the run's, or (measuring an endpoint)
     only the benchmark client's."""
     return "Machine" if endpoint_of(summary) is None else "Client machine"
-
-
-def _served_lines(summary: BenchSummary) -> list[str]:
-    """What served the requests: the clusters the run started, or the
-    endpoint it measured."""
-    s, endpoint = summary.settings, endpoint_of(summary)
-    if endpoint is not None:
-        return endpoint_lines(endpoint)
-    return [
-        f"- **Model:** {s.get('model_description', s.get('model'))}, dtype "
-        f"{s.get('dtype')}, max_model_len {s.get('max_model_len')}" + _chunk_note(s),
-        f"- **Clusters:** colocated = 1 instance; P/D = {s.get('num_prefill')} "
-        f"prefill + {s.get('num_decode')} decode; {_cores_line(s)}, the "
-        "kvpush router in front of each",
-    ]
 
 
 def _cores_line(s: dict[str, object]) -> str:
@@ -432,25 +466,28 @@ def _load_table(summary: BenchSummary) -> str:
     )
 
 
-def _plots(summary: BenchSummary, image_dir: str) -> str:
-    prefix = f"{image_dir.rstrip('/')}/" if image_dir else ""
+def plot_list(summary: BenchSummary) -> list[tuple[str, str]]:
+    """(file, caption) of every plot the run draws, the telling one first."""
     axis = AXIS_NAMES.get(plot_axis(summary), plot_axis(summary))
     files = plot_files(plot_axis(summary), summary.settings.get("workload", "sweep"))
-    overhead = (
-        [f"![Handover overhead against {axis}]({prefix}{files['overhead']})"]
-        if "overhead" in files
-        else []
-    )
+    first = []
+    if "overhead" in files:
+        first.append((files["overhead"], f"Handover overhead against {axis}"))
     if "goodput" in files:
-        overhead.append(f"![Goodput against {axis}]({prefix}{files['goodput']})")
-    return "\n\n".join([
-        "## Plots",
-        *overhead,
-        f"![TTFT p50 and p99 against {axis}]({prefix}{files['ttft']})",
-        f"![TPOT p50 and p99 against {axis}]({prefix}{files['tpot']})",
-        f"![TTFT CDF per point]({prefix}{files['cdf']})",
-        f"![Timeline of sample requests]({prefix}{files['timeline']})",
-    ])  # fmt: skip
+        first.append((files["goodput"], f"Goodput against {axis}"))
+    return [
+        *first,
+        (files["ttft"], f"TTFT p50 and p99 against {axis}"),
+        (files["tpot"], f"TPOT p50 and p99 against {axis}"),
+        (files["cdf"], "TTFT CDF per point"),
+        (files["timeline"], "Timeline of sample requests"),
+    ]
+
+
+def _plots(summary: BenchSummary, image_dir: str) -> str:
+    prefix = f"{image_dir.rstrip('/')}/" if image_dir else ""
+    images = [f"![{caption}]({prefix}{file})" for file, caption in plot_list(summary)]
+    return "\n\n".join(["## Plots", *images])
 
 
 _DEFINITIONS = """## Definitions

@@ -4,8 +4,7 @@ Per configuration, at both points (a fresh cache, then after the churn):
 descriptors per KV transfer, post time where vLLM's telemetry has one, the
 long prompts' TTFT, and the TPOT and ITL of the plain requests decoding on
 decode meanwhile; then each configuration's change from the first point
-to the second, the target (kvpush's TPOT under fragmentation no worse
-than without, while vllm-pull's degrades), and what the churn did.
+to the second, and what the churn did.
 """
 
 from __future__ import annotations
@@ -170,10 +169,7 @@ def _changes(summary: BenchSummary, table: Table) -> str:
     return (
         "## Fragmented KV: after churn against fresh cache\n\n"
         "After churn − fresh cache, ms (descriptors: count), and as a share of "
-        "the fresh cache's figure.\n\n"
-        + table(header, rows)
-        + "\n\n"
-        + _target(summary, fresh, churned)
+        "the fresh cache's figure.\n\n" + table(header, rows)
     )
 
 
@@ -182,28 +178,6 @@ def _descs(config: ConfigResult, point: int) -> float | None:
     fragment = result.fragment if result is not None else None
     transfers = fragment.transfers if fragment is not None else None
     return None if transfers is None else transfers.descs_mean
-
-
-def _target(summary: BenchSummary, fresh: int, churned: int) -> str:
-    """Issue 13's fragmented target on these figures (one round's)."""
-    by_name = {c.name: c for c in _ok(summary)}
-    kvpush, pull = by_name.get(KVPUSH), by_name.get(PULL)
-    if kvpush is None or pull is None:
-        return ""
-    k = [meanwhile_tpot(kvpush, p, "p50") for p in (fresh, churned)]
-    v = [meanwhile_tpot(pull, p, "p50") for p in (fresh, churned)]
-    if None in k or None in v:
-        return ""
-    k0, k1, v0, v1 = (float(x) for x in (*k, *v))  # type: ignore[arg-type]
-    met = k1 <= k0 and v1 > v0
-    return (
-        f"Target (kvpush's meanwhile TPOT p50 after churn no worse than on a "
-        f"fresh cache, while vllm-pull's degrades): kvpush {k0:.2f} → {k1:.2f} "
-        f"ms, vllm-pull {v0:.2f} → {v1:.2f} ms: "
-        + ("met" if met else "**not met**")
-        + " in this round, by sign alone (one round has no noise estimate: "
-        "read a change against the spread over rounds)."
-    )
 
 
 def _churn(summary: BenchSummary, table: Table) -> str:

@@ -18,7 +18,6 @@ from kvpush_lab.bench.stats import ratio
 from kvpush_lab.bench.summary import BenchSummary, ConfigResult, PointInfo, rate
 
 PD_CONFIGS = ("vllm-pull", "vllm-push", "kvpush")
-BANDWIDTH_TARGET = 0.80  # kvpush's WRITE p50 as a fraction of the shaped rate
 
 Table = Callable[[Sequence[str], Sequence[Sequence[str]]], str]
 
@@ -38,12 +37,12 @@ def rehearsal_sections(summary: BenchSummary, table: Table) -> list[str]:
 
 
 def hosts_line(summary: BenchSummary) -> str:
-    """The Setup line saying where the instances ran."""
+    """The Setup text saying where the instances ran ('' off the rehearsal)."""
     if not summary.is_rehearsal:
         return ""
     rates = ", ".join(rate(r) for r in summary.link_rates)
     return (
-        "- **Hosts:** multi-host rehearsal (`--hosts netns`): each instance in "
+        "multi-host rehearsal (`--hosts netns`): each instance in "
         "its own network and IPC namespace with one veth link to a bridge, so "
         "UCX moves the KV over TCP as between hosts; each host's egress shaped "
         f"by tbf to {rates} (a fresh set of clusters per rate; tbf delivers "
@@ -195,7 +194,6 @@ def bandwidth_section(summary: BenchSummary, table: Table) -> str:
         "below that tbf's burst, not the rate, sets the time. **÷ nominal** "
         "divides the p50 (kvpush) or the mean (vLLM) by the nominal rate.\n\n"
         + table(header, rows)
-        + _verdict(summary)
     )
 
 
@@ -226,27 +224,6 @@ def _nominal(summary: BenchSummary) -> str:
     if not rates:
         return "unshaped links: no nominal rate"
     return ", ".join(f"{r:g} Gbit/s = {shaped_mib_s(r):.1f} MiB/s" for r in rates)
-
-
-def _verdict(summary: BenchSummary) -> str:
-    """Whether kvpush's WRITEs reached the target fraction at each rate."""
-    lines = []
-    for link in summary.link_rates:
-        kvpush = _find(summary, "kvpush", link)
-        fractions = [
-            bw.of_shaped
-            for p in (kvpush.points if kvpush else [])
-            if (bw := p.bandwidth) is not None and bw.num_measured and bw.of_shaped
-        ]
-        if link is None or not fractions:
-            continue
-        worst = min(fractions)
-        met = "met" if worst >= BANDWIDTH_TARGET else "**missed**"
-        lines.append(
-            f"- {rate(link)}: kvpush's WRITE p50 is {worst:.2f} of nominal at "
-            f"its lowest point (target ≥ {BANDWIDTH_TARGET:.2f}): {met}."
-        )
-    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def _mib(value: float) -> str:

@@ -3,9 +3,7 @@
 Per load and configuration: the achieved rate against the offered one
 (where it falls behind, the cluster is saturated), output throughput,
 TTFT and TPOT p50/p99, goodput at the stated SLO, and the router's mean
-handover and prefill leg; then issue 13's targets at every load (kvpush's
-handover at most 1/3 of vllm-pull's, its TTFT p50 and p99 below both
-baselines').
+handover and prefill leg.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from kvpush_lab.bench.summary import BenchSummary, ConfigResult, PointInfo, Poin
 
 Table = Callable[[Sequence[str], Sequence[Sequence[str]]], str]
 PULL, PUSH, KVPUSH = "vllm-pull", "vllm-push", "kvpush"
-HANDOVER_TARGET = 1 / 3  # kvpush's mean handover over vllm-pull's
 
 
 def workload_line(s: dict[str, Any]) -> str:
@@ -38,11 +35,10 @@ def slo_text(s: dict[str, Any]) -> str:
 
 
 def saturation_sections(summary: BenchSummary, table: Table) -> list[str]:
-    """The load table and the targets (none unless the workload was
-    saturation)."""
+    """The load table (none unless the workload was saturation)."""
     if summary.settings.get("workload") != "saturation":
         return []
-    return [_loads(summary, table), _targets(summary)]
+    return [_loads(summary, table)]
 
 
 def _ok(summary: BenchSummary) -> list[ConfigResult]:
@@ -92,70 +88,6 @@ def _row(info: PointInfo, config: ConfigResult, r: PointResult | None) -> list[s
         _num(legs.handover_mean_ms if legs else None),
         _num(legs.prefill_mean_ms if legs else None),
     ]  # fmt: skip
-
-
-def _targets(summary: BenchSummary) -> str:
-    """Issue 13's load targets, per load, on this run's figures (one
-    round's, when repeated)."""
-    by_name = {c.name: c for c in _ok(summary)}
-    kvpush = by_name.get(KVPUSH)
-    if kvpush is None or PULL not in by_name:
-        return ""
-    lines = ["## Targets at every load (issue 13)", ""]
-    handover_met, ttft_met = [], []
-    for info in summary.points:
-        mine = _handover(kvpush, info.index)
-        pull = _handover(by_name[PULL], info.index)
-        ok = mine is not None and pull is not None and mine <= HANDOVER_TARGET * pull
-        handover_met.append(ok)
-        below = _ttft_below(kvpush, [by_name[n] for n in (PULL, PUSH) if n in by_name],
-                            info.index)  # fmt: skip
-        ttft_met.append(below)
-        lines.append(
-            f"- {info.load:g} req/s: kvpush handover {_num(mine)} ms against "
-            f"vllm-pull's {_num(pull)} ({_share(mine, pull)}; target ≤ 0.33): "
-            f"{_verdict(ok)}; TTFT p50 and p99 below every baseline's: "
-            f"{_verdict(below)}"
-        )
-    lines.insert(
-        2,
-        f"- **handover ≤ 1/3 of vllm-pull's at every load**: "
-        f"{_verdict(all(handover_met))}; **TTFT p50 and p99 below both "
-        f"baselines' at every load**: {_verdict(all(ttft_met))}",
-    )
-    return "\n".join(lines)
-
-
-def _handover(config: ConfigResult, point: int) -> float | None:
-    result = config.point(point)
-    legs = result.router if result is not None else None
-    return None if legs is None else legs.handover_mean_ms
-
-
-def _ttft_below(
-    kvpush: ConfigResult, baselines: list[ConfigResult], point: int
-) -> bool:
-    mine = kvpush.point(point)
-    if mine is None or mine.stats.ttft_ms is None or not baselines:
-        return False
-    for base in baselines:
-        theirs = base.point(point)
-        if theirs is None or theirs.stats.ttft_ms is None:
-            return False
-        for pct in ("p50", "p99"):
-            if getattr(mine.stats.ttft_ms, pct) >= getattr(theirs.stats.ttft_ms, pct):
-                return False
-    return True
-
-
-def _share(value: float | None, reference: float | None) -> str:
-    if value is None or not reference:
-        return "–"
-    return f"{value / reference:.2f} of it"
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "**not met**"
 
 
 def _num(value: float | None) -> str:

@@ -4,15 +4,13 @@ For a run swept over prompt lengths (``--prompt-len-sweep``), per link
 rate: each P/D configuration's handover overhead (TTFT p50 − colocated's,
 same run and length), the bytes its prefill host sent per request, and for
 kvpush configurations how much of each transfer overlapped the prompt's
-prefill (:mod:`kvpush_lab.bench.overlap`); then issue 12's targets, evaluated
-on these figures.
+prefill (:mod:`kvpush_lab.bench.overlap`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvpush_lab.bench.names import cluster_of, granularity_of
 from kvpush_lab.bench.overlap import OverlapStats
 from kvpush_lab.bench.report_net import overhead
 from kvpush_lab.bench.stats import ratio
@@ -20,19 +18,15 @@ from kvpush_lab.bench.summary import BenchSummary, ConfigResult, PointInfo, rate
 
 Table = Callable[[Sequence[str], Sequence[Sequence[str]]], str]
 PULL = "vllm-pull"
-GROWTH_TARGET = 1.5  # overhead at the longest prompt / at the shortest
-PULL_TARGET = 1 / 3  # overhead at the longest prompt / vllm-pull's there
-STREAMED = ("chunk", "layer")  # granularities that stream, against "request"
 
 
 def sweep_sections(summary: BenchSummary, table: Table) -> list[str]:
-    """Overhead, overlap and targets (none unless swept over prompt length)."""
+    """Overhead and overlap (none unless swept over prompt length)."""
     if summary.axis != "prompt_len" or not summary.points:
         return []
     return [
         overhead_by_length(summary, table),
         details(summary, table),
-        targets(summary),
     ]
 
 
@@ -125,70 +119,6 @@ def _overlap_cells(ov: OverlapStats | None) -> list[str]:
         _pct(crossed.p50) if crossed is not None else "–",
         _num(ov.tail_ms.p50),
     ]
-
-
-def kvpush_names(summary: BenchSummary, link: float | None) -> list[str]:
-    return [n for n in pd_names(summary, link) if cluster_of(n)[0] == "kvpush"]
-
-
-def targets(summary: BenchSummary) -> str:
-    """Issue 12's three targets, per link rate, on these figures."""
-    first, last = summary.points[0], summary.points[-1]
-    lines = ["## Targets (issue 12)", ""]
-    for link in summary.link_rates:
-        at = "" if link is None else f" ({rate(link)})"
-        pull = overhead(summary, PULL, link, last.index)
-        for name in kvpush_names(summary, link):
-            short = overhead(summary, name, link, first.index)
-            long = overhead(summary, name, link, last.index)
-            growth, of_pull = ratio(long, short), ratio(long, pull)
-            lines.append(
-                f"- **{name}**{at}: overhead {_num(long)} ms at {int(last.x)} "
-                f"tokens against {_num(short)} ms at {int(first.x)}: "
-                f"{_ratio(long, short)}× (target ≤ {GROWTH_TARGET:g}×: "
-                f"{_verdict(growth, GROWTH_TARGET)}); {_ratio(long, pull)} of "
-                f"vllm-pull's {_num(pull)} ms (target ≤ 0.33: "
-                f"{_verdict(of_pull, PULL_TARGET)})."
-            )
-        lines += _streaming_lines(summary, link, at)
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def _streaming_lines(summary: BenchSummary, link: float | None, at: str) -> list[str]:
-    """Whether chunk or layer streaming beat ``request`` at every length
-    above one chunk (``max_num_batched_tokens``, when it was set)."""
-    by_granularity = {granularity_of(n): n for n in kvpush_names(summary, link)}
-    request = by_granularity.get("request")
-    streamed = [by_granularity[g] for g in STREAMED if g in by_granularity]
-    if request is None or not streamed:
-        return []
-    chunk = summary.settings.get("max_num_batched_tokens")
-    longer = [p for p in summary.points if chunk is None or p.x > int(chunk)]
-    wins, lines = [], []
-    for info in longer:
-        req = overhead(summary, request, link, info.index)
-        overs = {n: overhead(summary, n, link, info.index) for n in streamed}
-        best = min((v for v in overs.values() if v is not None), default=None)
-        won = req is not None and best is not None and best < req
-        wins.append(won)
-        each = ", ".join(f"{n} {_num(v)}" for n, v in overs.items())
-        lines.append(
-            f"  - {int(info.x)} tokens: {each} against {request} {_num(req)} ms: "
-            + ("yes" if won else "**no**")
-        )
-    met = "met" if wins and all(wins) else "**missed**"
-    beyond = "every length" if chunk is None else f"every length above {chunk} tokens"
-    head = (
-        f"- **streaming beats request**{at} ({' or '.join(streamed)} lower "
-        f"overhead than {request} at {beyond}): {met}"
-    )
-    return [head, *lines]
-
-
-def _verdict(value: float | None, target: float) -> str:
-    if value is None:
-        return "not measured"
-    return "met" if value <= target else "**missed**"
 
 
 def _config(

@@ -9,8 +9,9 @@ reads each instance's KV usage. Every request is classified (completed,
 aborted, failed with an error it was told, lost); the exit status is 0 only
 when none was lost, no KV block leaked or was quarantined, and some
 completed. Writes
-``soak.json``, ``soak.md`` and ``requests.jsonl`` to ``--out``; with
-``--publish``, also the soak section of ``BENCHMARKS.md``.
+``soak.json``, ``soak.md``, ``results.json`` and ``requests.jsonl`` to
+``--out``; with ``--publish``, also ``docs/bench/soak/results.json``, and
+renders ``BENCHMARKS.md`` again (:mod:`kvpush_lab.bench.render`).
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ from kvpush.launcher.config import ClusterConfig
 from kvpush.launcher.state import RunState
 from kvpush_lab.bench import client, loadgen
 from kvpush_lab.bench.inputs import normal_token_ids, resolve_model
-from kvpush_lab.bench.outputs import BENCHMARKS_FILE
+from kvpush_lab.bench.outputs import publish_results
 from kvpush_lab.bench.records import REQUESTS_FILE, write_records
 from kvpush_lab.bench.resources import versions
+from kvpush_lab.bench.results import save_results
 from kvpush_lab.bench.runner import cluster_config
-from kvpush_lab.bench.sections import put_section
 from kvpush_lab.bench.workload import WARMUP_POINT, PointWorkload, SweepPoint
 from kvpush_lab.soak.config import SoakConfig
 from kvpush_lab.soak.counters import ConnectorCounters, read_counters
 from kvpush_lab.soak.driver import drive, settle, wait_routable
+from kvpush_lab.soak.export import soak_results
 from kvpush_lab.soak.leaks import KvReading
 from kvpush_lab.soak.outcome import OUTCOME_KINDS, SoakRecord, classify
 from kvpush_lab.soak.plan import request_spec, schedule, warmup_specs
@@ -64,7 +66,6 @@ from kvpush_lab.soak.report import (
     summarize,
 )
 
-SECTION = "soak"
 PROGRAM = "python -m kvpush_lab.soak"
 ROUTABLE_TIMEOUT_S = 30.0  # for the router to see every instance healthy
 
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results directory (bench-results/soak-<time>)")  # fmt: skip
     p.add_argument(
         "--publish", nargs="?", const=Path("."), type=Path, metavar="ROOT",
-        help="also put the soak section into ROOT/BENCHMARKS.md (ROOT: .)",
+        help="also write ROOT/docs/bench/soak/results.json and render "
+        "ROOT/BENCHMARKS.md again (ROOT: .)",
     )  # fmt: skip
     return p
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     files = write_outputs(out_dir, summary)
     if args.publish is not None:
-        files.append(publish(args.publish, summary))
+        files += publish(args.publish, summary)
     print_result(console, summary, files)
     return 0 if summary.has_passed else 1
 
@@ -296,16 +298,14 @@ def _progress(console: Console) -> Progress:
 def write_outputs(out_dir: Path, summary: SoakSummary) -> list[Path]:
     section = out_dir / SOAK_SECTION_FILE
     section.write_text(render_section(summary))
-    return [out_dir / SOAK_SUMMARY_FILE, section, out_dir / REQUESTS_FILE]
+    results = save_results(soak_results(summary), out_dir)
+    return [out_dir / SOAK_SUMMARY_FILE, section, results, out_dir / REQUESTS_FILE]
 
 
-def publish(root: Path, summary: SoakSummary) -> Path:
-    """Put the soak section into ``root/BENCHMARKS.md`` (replacing the old
-    one, or appended; the file is made if missing)."""
-    path = root / BENCHMARKS_FILE
-    old = path.read_text() if path.exists() else "# kvpush benchmarks\n"
-    path.write_text(put_section(old, SECTION, render_section(summary)))
-    return path
+def publish(root: Path, summary: SoakSummary) -> list[Path]:
+    """Replace ``root/docs/bench/soak/results.json`` and render
+    ``root/BENCHMARKS.md`` again from every section."""
+    return publish_results(soak_results(summary), root)
 
 
 def print_result(console: Console, summary: SoakSummary, files: list[Path]) -> None:

@@ -3,7 +3,8 @@
 :func:`summarize` turns the records, the settled KV readings and the
 connector counters into a :class:`SoakSummary` whose ``problems`` say why
 the soak failed (empty: it passed). :func:`render_section` writes the
-``## Soak`` section that ``--publish`` puts into ``BENCHMARKS.md``.
+``soak.md`` of a run; :mod:`kvpush_lab.soak.export` makes its published
+results (``docs/bench/soak/results.json``) from the same parts.
 """
 
 from __future__ import annotations
@@ -159,18 +160,18 @@ def render_section(summary: SoakSummary) -> str:
     """The ``## Soak`` markdown section."""
     parts = [
         "## Soak",
-        _verdict(summary),
-        _setup(summary),
+        verdict(summary),
+        setup_text(summary),
         f"```\n{summary.run.command}\n```",
         _outcomes(summary),
         _kv(summary),
-        _counters(summary.counters),
-        _SOAK_DEFINITIONS,
+        counters_text(summary.counters),
+        SOAK_DEFINITIONS,
     ]
     return "\n\n".join(p.strip() for p in parts if p.strip()) + "\n"
 
 
-def _verdict(summary: SoakSummary) -> str:
+def verdict(summary: SoakSummary) -> str:
     lost, leaked = summary.counts.get("lost", 0), summary.num_leaked_blocks
     quarantined = summary.num_quarantined_blocks
     notes = [f"- {p}" for p in summary.problems]
@@ -185,7 +186,7 @@ def _verdict(summary: SoakSummary) -> str:
     return "\n\n".join([head, "\n".join(notes)]) if notes else head
 
 
-def _setup(summary: SoakSummary) -> str:
+def setup_text(summary: SoakSummary) -> str:
     s, run = summary.run.settings, summary.run
     topology = (
         "one colocated instance"
@@ -211,9 +212,18 @@ def _setup(summary: SoakSummary) -> str:
     )
 
 
-def _outcomes(summary: SoakSummary) -> str:
+OUTCOME_HEADER = [
+    "requests", "completed", "aborted (before 1st token / mid-stream)",
+    "failed (error told)", "lost", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99",
+]  # fmt: skip
+KV_HEADER = ["instance", "role", "KV blocks in use", "of", "running", "waiting",
+             "leaked"]  # fmt: skip
+
+
+def outcome_row(summary: SoakSummary) -> list[str]:
+    """The outcomes and latencies, one row under :data:`OUTCOME_HEADER`."""
     c, aborted = summary.counts, summary.reasons.get("aborted", {})
-    row = [
+    return [
         str(summary.num_requests), str(c.get("completed", 0)),
         f"{c.get('aborted', 0)} ({aborted.get(BEFORE_FIRST_TOKEN, 0)} / "
         f"{aborted.get(MID_STREAM, 0)})",
@@ -222,14 +232,20 @@ def _outcomes(summary: SoakSummary) -> str:
         _fmt_ms(summary.ttft_ms, "p50"), _fmt_ms(summary.ttft_ms, "p99"),
         _fmt_ms(summary.e2e_ms, "p50"), _fmt_ms(summary.e2e_ms, "p99"),
     ]  # fmt: skip
-    header = [
-        "requests", "completed", "aborted (before 1st token / mid-stream)",
-        "failed (error told)", "lost", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99",
-    ]  # fmt: skip
-    text = "Latencies of completed requests, in ms.\n\n" + table(header, [row])
-    examples = [e for kind in ("lost", "failed") for e in summary.examples[kind]]
-    if examples:
-        text += "\n\nExamples:\n\n" + "\n".join(f"- `{e}`" for e in examples)
+
+
+def examples(summary: SoakSummary) -> list[str]:
+    """A few lost and failed requests, with their detail."""
+    return [e for kind in ("lost", "failed") for e in summary.examples[kind]]
+
+
+def _outcomes(summary: SoakSummary) -> str:
+    text = "Latencies of completed requests, in ms.\n\n" + table(
+        OUTCOME_HEADER, [outcome_row(summary)]
+    )
+    shown = examples(summary)
+    if shown:
+        text += "\n\nExamples:\n\n" + "\n".join(f"- `{e}`" for e in shown)
     return text
 
 
@@ -237,25 +253,31 @@ def _with_reasons(count: int, reasons: dict[str, int]) -> str:
     return f"{count} ({_reasons(reasons)})" if count else "0"
 
 
-def _kv(summary: SoakSummary) -> str:
-    header = ["instance", "role", "KV blocks in use", "of", "running", "waiting",
-              "leaked"]  # fmt: skip
-    rows = [
+def kv_rows(summary: SoakSummary) -> list[list[str]]:
+    """Each instance's settled KV reading, under :data:`KV_HEADER`."""
+    return [
         [r.name, r.role, _opt(r.num_blocks_in_use), _opt(r.num_blocks),
          str(r.num_running), str(r.num_waiting),
          r.error or _opt(r.num_leaked_blocks if r.num_leaked_blocks >= 0 else None)]
         for r in summary.kv
     ]  # fmt: skip
+
+
+def kv_note(summary: SoakSummary) -> str:
     in_flight = summary.router_in_flight
     router = "" if in_flight is None else f" The router had {in_flight} in flight."
     return (
         f"Each instance's `/metrics` once drained and settled "
         f"({summary.run.settle_wait_s:.1f} s after the last request ended)."
-        f"{router}\n\n" + table(header, rows)
+        f"{router}"
     )
 
 
-def _counters(counters: ConnectorCounters) -> str:
+def _kv(summary: SoakSummary) -> str:
+    return kv_note(summary) + "\n\n" + table(KV_HEADER, kv_rows(summary))
+
+
+def counters_text(counters: ConnectorCounters) -> str:
     where = f"{counters.num_instances} instances' `/metrics`"
     if not counters.totals:
         events = names.KVPUSH_EVENTS.total
@@ -275,7 +297,7 @@ def _opt(value: int | None) -> str:
     return "?" if value is None else str(value)
 
 
-_SOAK_DEFINITIONS = """\
+SOAK_DEFINITIONS = """\
 **Completed**: the full output and a finish reason. **Aborted**: the client
 closed the connection on purpose. **Failed**: the server said why (an
 OpenAI-shaped error body or stream event). **Lost**: anything else (no

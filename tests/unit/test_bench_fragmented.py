@@ -292,7 +292,7 @@ def fragmented_summary() -> BenchSummary:
     )
 
 
-def test_the_report_gives_descriptors_decoding_meanwhile_and_the_target() -> None:
+def test_the_report_gives_descriptors_and_decoding_meanwhile() -> None:
     report = render_report(fragmented_summary())
     assert "## Fragmented KV: descriptors per transfer and decoding meanwhile" in report
     assert "| kvpush | after churn | 4 | 640 | 640 | 640 |" in report
@@ -300,8 +300,7 @@ def test_the_report_gives_descriptors_decoding_meanwhile_and_the_target() -> Non
     assert "| vllm-pull | fresh cache | 4 | 1000 | (400, 1000] | 1000 |" in report
     assert "| vllm-pull | +4.00 (+40%) |" in report
     assert "| kvpush | +0.00 (+0%) |" in report
-    assert "kvpush 9.00 → 9.00 ms, vllm-pull 10.00 → 14.00 ms: met" in report
-    assert "met in this round, by sign alone" in report  # no noise estimate
+    assert "target" not in report.lower()  # targets live in the docs
     assert "block size 32" in report and "fragmented: " in report
     assert "| vllm-pull | 2 | 2 | 0 | 0 |" in report  # the churn's outcome
 

@@ -1,7 +1,7 @@
 """The micro-benchmark measures what it says: its baseline is the old
 algorithm (same descriptors as the new one), its workloads have the stated
-shape, its spreads are the usual quantiles, its section is published next
-to the others and carried over by ``kvpush bench --publish``, and the writer
+shape, its spreads are the usual quantiles, its results are published as
+``docs/bench/micro/results.json`` next to the other sections, and the writer
 really reaches each state it reports on. No assertion on any duration."""
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ from hypothesis import strategies as st
 from kvpush.transfer.coalesce import desc_list, descriptors, runs
 from kvpush_lab.bench.micro import baseline, build
 from kvpush_lab.bench.micro.cli import publish
-from kvpush_lab.bench.micro.report import SECTION, CpuTiming, MicroRun, render_section
+from kvpush_lab.bench.micro.report import (
+    SECTION,
+    CpuTiming,
+    MicroRun,
+    micro_results,
+    render_section,
+)
 from kvpush_lab.bench.micro.stats import Spread, time_rounds
-from kvpush_lab.bench.outputs import KEPT_SECTIONS
-from kvpush_lab.bench.sections import carry_sections, find_section, put_section
+from kvpush_lab.bench.results import SectionResults, load_results, save_results
 
 SMALL_SRC = build.layout(0x1000, num_blocks=64, block_bytes=96, num_layers=3)
 SMALL_DST = build.layout(0x900000, num_blocks=80, block_bytes=96, num_layers=3)
@@ -109,16 +114,27 @@ def test_the_section_states_machine_case_and_units() -> None:
     assert "Not measured" in render_section(_run())
 
 
-def test_publish_keeps_other_sections_and_bench_carries_it_over(tmp_path: Path) -> None:
-    (tmp_path / "BENCHMARKS.md").write_text(put_section("# kvpush\n", "soak", "S"))
-    path = publish(tmp_path, "## Micro-benchmarks\nfirst")
-    publish(tmp_path, "## Micro-benchmarks\nsecond")
-    text = path.read_text()
-    assert find_section(text, "soak") == "S"
-    assert find_section(text, SECTION) == "## Micro-benchmarks\nsecond"
-    assert SECTION in KEPT_SECTIONS
-    regenerated = carry_sections(text, "# new bench\n", KEPT_SECTIONS)
-    assert find_section(regenerated, SECTION) == "## Micro-benchmarks\nsecond"
+def test_publish_writes_the_micro_json_and_keeps_other_sections(
+    tmp_path: Path,
+) -> None:
+    save_results(
+        SectionResults(section="soak", title="Soak", kind="soak", source="a test"),
+        tmp_path / "docs" / "bench" / "soak",
+    )
+    publish(tmp_path, _run())
+    files = publish(tmp_path, _run())
+    results = load_results(tmp_path / "docs" / "bench" / SECTION)
+    assert results == micro_results(_run()) and results.kind == "micro"
+    assert results.commit == "abc1234" and results.setup.machine == "2 cores"
+    build_table = results.tables[0]
+    assert build_table.title == "Descriptor build (kvpush's own code)"
+    assert ["fragmented", "numpy (now)", "1000", "160,000", "2.00", "1.20–2.80"] in (
+        build_table.rows
+    )
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "[results.json](docs/bench/micro/results.json)" in text
+    assert "[results.json](docs/bench/soak/results.json)" in text
+    assert tmp_path / "BENCHMARKS.md" in files
 
 
 def test_the_writer_reaches_each_state_and_stops() -> None:
@@ -134,3 +150,29 @@ def test_the_writer_reaches_each_state_and_stops() -> None:
     assert (both.num_waiting, both.num_inflight) == (20, 5)
     assert idle.polls_per_s.median == waiting.polls_per_s.median == 0
     assert set(threading.enumerate()) <= before  # every writer thread stopped
+
+
+class _NoNotifications:
+    """What the progress thread reads in place of a NIXL agent."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def notifications(self) -> list[bytes]:
+        self.reads += 1
+        return []
+
+
+def test_decode_step_times_each_thread_state_against_no_thread() -> None:
+    from kvpush_lab.bench.micro.decode_step import measure_decode_step, render
+
+    source = _NoNotifications()
+    timings = measure_decode_step(rounds=2, steps=20, source=source, work=2000)
+
+    assert [t.state for t in timings] == ["none", "idle", "polling"]
+    assert all(t.step_ms.num_samples == 2 for t in timings)
+    assert timings[0].ratio_to_none.median == 1.0, "none over itself"
+    assert source.reads > 0, "the polling state read the source"
+    table = render(timings)
+    assert "| idle |" in table and "| polling |" in table
+    assert not any(t.name == "kvpush-nixl-progress" for t in threading.enumerate())

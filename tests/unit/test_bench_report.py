@@ -10,6 +10,7 @@ import pytest
 from kvpush_lab.bench.outputs import publish, write_outputs
 from kvpush_lab.bench.report import render_report
 from kvpush_lab.bench.resources import InstanceUsage, WindowLoad
+from kvpush_lab.bench.results import load_results
 from kvpush_lab.bench.stats import Dist, PointStats
 from kvpush_lab.bench.summary import (
     BenchSummary,
@@ -149,15 +150,18 @@ def test_the_summary_round_trips_and_renders_files(tmp_path: Path) -> None:
     files = write_outputs(tmp_path, loaded)  # no requests.jsonl: empty CDFs
     assert {f.name for f in files} == {
         "report.md", "ttft_vs_qps.png", "tpot_vs_qps.png", "ttft_cdf.png",
-        "timeline.png",
+        "timeline.png", "results.json",
     }  # fmt: skip
-    for png in files[1:]:
+    for png in (f for f in files if f.suffix == ".png"):
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size < 200_000
     published = publish(tmp_path, loaded, tmp_path / "repo")
     benchmarks = (tmp_path / "repo" / "BENCHMARKS.md").read_text()
     assert benchmarks.startswith("# kvpush benchmarks")
-    assert (tmp_path / "repo" / "docs" / "bench" / "timeline.png").exists()
-    assert len(published) == 5
+    section = tmp_path / "repo" / "docs" / "bench" / "qps-sweep"  # by its axis
+    assert (section / "timeline.png").exists()
+    assert load_results(section) == load_results(tmp_path)
+    # the JSON, four plots, BENCHMARKS.md and the section's README
+    assert len(published) == 7 and section / "README.md" in published
 
 
 def test_an_unreadable_summary_says_so(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from kvpush.launcher import ClusterConfig
 from kvpush.launcher.state import ProcessRecord, RunState
 from kvpush_lab.bench import clusters, runner
 from kvpush_lab.bench.records import read_records
+from kvpush_lab.bench.results import load_results
 from kvpush_lab.bench.summary import load_summary
 from tests.fakes import Fault, routed
 
@@ -162,8 +163,12 @@ def test_a_run_accounts_for_every_request_of_every_configuration(
         assert (out / name).stat().st_size > 0
     report = (out / "report.md").read_text()
     assert "**kvpush** skipped: mode 'kvpush' is not available yet" in report
-    assert (repo / "BENCHMARKS.md").read_text().count("## qps 50") == 1
-    assert (repo / "docs" / "bench" / "tpot_vs_qps.png").exists()
+    assert (out / "results.json").exists()
+    section = repo / "docs" / "bench" / "qps-sweep"
+    assert load_results(section).measured("qps 50", "colocated")
+    assert (section / "README.md").read_text().count("## qps 50") == 1
+    assert (section / "tpot_vs_qps.png").exists()
+    assert "(docs/bench/qps-sweep/results.json)" in (repo / "BENCHMARKS.md").read_text()
 
 
 def test_render_redoes_the_report_from_the_files(

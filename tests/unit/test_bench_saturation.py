@@ -1,5 +1,5 @@
 """The saturation workload: its settings, the arrival schedule, goodput at
-an SLO, the report's load table and targets, the goodput plot, a run on
+an SLO, the report's load table (no targets), the goodput plot, a run on
 fake clusters."""
 
 from __future__ import annotations
@@ -153,14 +153,7 @@ def test_the_report_states_the_slo_and_gives_goodput_per_load() -> None:
         "10.0 | 50.0 |"
     )
     assert row in report
-    assert "**handover ≤ 1/3 of vllm-pull's at every load**: met" in report
-    assert "TTFT p50 and p99 below both baselines' at every load**: met" in report
-    assert "kvpush handover 10.0 ms against vllm-pull's 60.0 (0.17 of it" in report
-
-
-def test_a_handover_above_a_third_of_pulls_misses_the_target() -> None:
-    report = render_report(saturation_summary(kvpush_handover=30.0))
-    assert "**handover ≤ 1/3 of vllm-pull's at every load**: **not met**" in report
+    assert "target" not in report.lower()  # targets live in the docs
 
 
 def test_the_saturation_run_plots_goodput_against_load(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The soak's pure parts (options, schedule, classification, leaks from
-metrics text, counters, report, the BENCHMARKS.md section) and its client
+metrics text, counters, report, the published results.json) and its client
 through the real router in front of fake vLLM backends."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from kvpush.launcher.state import ProcessRecord
 from kvpush_lab.bench import client
 from kvpush_lab.bench.outputs import publish as publish_bench
-from kvpush_lab.bench.sections import carry_sections, find_section, put_section
+from kvpush_lab.bench.results import load_results
 from kvpush_lab.bench.workload import RequestSpec
 from kvpush_lab.soak.cli import (
     build_parser,
@@ -28,6 +28,7 @@ from kvpush_lab.soak.cli import publish as publish_soak
 from kvpush_lab.soak.config import SoakConfig
 from kvpush_lab.soak.counters import ConnectorCounters, read_counters, sum_counters
 from kvpush_lab.soak.driver import send_or_abort
+from kvpush_lab.soak.export import soak_results
 from kvpush_lab.soak.leaks import (
     KvReading,
     is_settled,
@@ -417,51 +418,29 @@ def test_a_run_where_nothing_completed_fails() -> None:
     assert summary.problems == ["no request completed"]
 
 
-# -- BENCHMARKS.md sections ------------------------------------------------
+# -- published results ------------------------------------------------------
 
 
-def test_a_section_is_appended_then_replaced_in_place() -> None:
-    text = put_section("# Title\n\nBody.\n", "soak", "## Soak\n\nfirst")
-    assert text == (
-        "# Title\n\nBody.\n\n<!-- soak:begin -->\n## Soak\n\nfirst\n<!-- soak:end -->\n"
-    )
-    again = put_section(text + "\nAfter.\n", "soak", "## Soak\n\nsecond")
-    assert find_section(again, "soak") == "## Soak\n\nsecond"
-    assert again.endswith("<!-- soak:end -->\n\nAfter.\n") and "first" not in again
-    assert find_section("# Title\n", "soak") is None
-    assert find_section("<!-- soak:end --> <!-- soak:begin -->", "soak") is None
-
-
-def test_carrying_sections_keeps_only_those_the_old_text_has() -> None:
-    old = put_section("# Old\n", "soak", "kept")
-    assert find_section(carry_sections(old, "# New\n", ("soak",)), "soak") == "kept"
-    assert carry_sections("# Old\n", "# New\n", ("soak",)) == "# New\n"
-
-
-def test_bench_publish_keeps_the_soak_section_and_soak_publish_replaces_it(
+def test_the_soak_publishes_its_json_beside_the_bench_sections(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "repo"
-    root.mkdir()
-    (root / "BENCHMARKS.md").write_text("# old bench\n")
     first = soak_summary([record()])
     publish_soak(root, first)
-    text = (root / "BENCHMARKS.md").read_text()
-    assert text.startswith("# old bench\n") and "<!-- soak:begin -->" in text
-    publish_bench(tmp_path, bench_summary(), root)
-    regenerated = (root / "BENCHMARKS.md").read_text()
-    assert (
-        regenerated.startswith("# kvpush benchmarks") and "old bench" not in regenerated
-    )
-    assert find_section(regenerated, "soak") == render_section(first).strip()
+    results = load_results(root / "docs" / "bench" / "soak")
+    assert results == soak_results(first) and results.kind == "soak"
+    assert results.notes[0].startswith("**Passed:** 0 requests lost")
+    assert results.tables[0].columns[:5] == [
+        "requests", "completed", "aborted (before 1st token / mid-stream)",
+        "failed (error told)", "lost",
+    ]  # fmt: skip
+    assert results.measurements[0].metrics.num_ok == 1
+    publish_bench(tmp_path, bench_summary(), root)  # another section
     second = soak_summary([record(), record(index=1, error="timeout")])
-    publish_soak(root, second)
-    final = (root / "BENCHMARKS.md").read_text()
-    assert final.count("<!-- soak:begin -->") == 1 and "**Failed:**" in final
-    assert final.startswith("# kvpush benchmarks")
-
-
-def test_soak_publish_makes_the_file_if_missing(tmp_path: Path) -> None:
-    publish_soak(tmp_path, soak_summary([record()]))
-    text = (tmp_path / "BENCHMARKS.md").read_text()
-    assert text.startswith("# kvpush benchmarks\n\n<!-- soak:begin -->\n## Soak")
+    publish_soak(root, second)  # replaces the soak's, keeps the bench's
+    text = (root / "BENCHMARKS.md").read_text()
+    assert text.startswith("# kvpush benchmarks")
+    assert text.count("[results.json](docs/bench/soak/results.json)") == 1
+    assert "[results.json](docs/bench/qps-sweep/results.json)" in text
+    assert "**Failed:**" in text
+    assert load_results(root / "docs" / "bench" / "soak") == soak_results(second)

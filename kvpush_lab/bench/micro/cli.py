@@ -1,6 +1,7 @@
 """``kvpush bench-micro [--publish [ROOT]]``: run the micro-benchmarks,
-print their section, and with ``--publish`` put it into
-``ROOT/BENCHMARKS.md`` (``kvpush bench --publish`` carries it over)."""
+print their tables, and with ``--publish`` write
+``ROOT/docs/bench/micro/results.json`` and render ``ROOT/BENCHMARKS.md``
+again (:mod:`kvpush_lab.bench.render`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.commands import run_subcommand
-from kvpush_lab.bench.sections import put_section
-
-BENCHMARKS_FILE = "BENCHMARKS.md"
 
 
 def main(argv: list[str]) -> int:
@@ -37,6 +35,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--skip-nixl", action="store_true", help="no NIXL agents")
     p.add_argument("--skip-writer", action="store_true", help="no writer CPU")
+    p.add_argument("--step-rounds", type=int, default=5, help="decode step rounds (5)")
+    p.add_argument(
+        "--skip-decode-step", action="store_true", help="no decode step timing"
+    )
     p.add_argument(
         "--machine", help="how to describe this machine (default: CPU model, cores)"
     )
@@ -45,7 +47,8 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--publish", nargs="?", const=Path("."), type=Path, metavar="ROOT",
-        help="write the Micro-benchmarks section of ROOT/BENCHMARKS.md (ROOT: .)",
+        help="also write ROOT/docs/bench/micro/results.json and render "
+        "ROOT/BENCHMARKS.md again (ROOT: .)",
     )  # fmt: skip
     p.set_defaults(func=run_command)
 
@@ -54,8 +57,10 @@ def run_command(args: argparse.Namespace) -> int:
     from kvpush_lab.bench.micro.build import CASES, measure_build
     from kvpush_lab.bench.micro.report import MicroRun, render_section
 
-    if min(args.rounds, args.nixl_rounds, args.cpu_windows) < 1:
-        raise ValueError("--rounds, --nixl-rounds and --cpu-windows must be >= 1")
+    if min(args.rounds, args.nixl_rounds, args.cpu_windows, args.step_rounds) < 1:
+        raise ValueError(
+            "--rounds, --nixl-rounds, --cpu-windows and --step-rounds must be >= 1"
+        )
     builds = [b for case in CASES for b in measure_build(case, args.rounds)]
     calls: list[Any] = []
     if not args.skip_nixl:
@@ -67,6 +72,11 @@ def run_command(args: argparse.Namespace) -> int:
         from kvpush_lab.bench.micro.writer_cpu import measure_writer_cpu
 
         cpu = measure_writer_cpu(args.cpu_windows, args.cpu_window_s)
+    steps: list[Any] = []
+    if not args.skip_decode_step:
+        from kvpush_lab.bench.micro.decode_step import measure_decode_step
+
+        steps = measure_decode_step(args.step_rounds, steps=500)
     run = MicroRun(
         command=_command(args),
         when=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -75,24 +85,23 @@ def run_command(args: argparse.Namespace) -> int:
         builds=builds,
         calls=calls,
         cpu=cpu,
+        steps=steps,
         notes=tuple(args.note),
     )
-    text = render_section(run)
-    print(text)
+    print(render_section(run))
     if args.publish is not None:
-        print(f"wrote {publish(args.publish, text)}")
+        for path in publish(args.publish, run):
+            print(f"wrote {path}")
     return 0
 
 
-def publish(root: Path, section: str) -> Path:
-    """Put ``section`` into ``root/BENCHMARKS.md`` (replaced, or appended;
-    the file is made if missing)."""
-    from kvpush_lab.bench.micro.report import SECTION
+def publish(root: Path, run: Any) -> list[Path]:
+    """Replace ``root/docs/bench/micro/results.json`` with ``run``'s and
+    render ``root/BENCHMARKS.md`` again."""
+    from kvpush_lab.bench.micro.report import micro_results
+    from kvpush_lab.bench.outputs import publish_results
 
-    path = root / BENCHMARKS_FILE
-    old = path.read_text() if path.exists() else "# kvpush benchmarks\n"
-    path.write_text(put_section(old, SECTION, section))
-    return path
+    return publish_results(micro_results(run), root)
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -101,6 +110,8 @@ def _command(args: argparse.Namespace) -> str:
     if not args.skip_writer:
         words += [f"--cpu-windows {args.cpu_windows}"]
         words += [f"--cpu-window-s {args.cpu_window_s:g}"]
+    if not args.skip_decode_step:
+        words += [f"--step-rounds {args.step_rounds}"]
     return " ".join(words)
 
 
