@@ -19,7 +19,7 @@ one of four role objects, chosen once here by (kvpush role, vLLM role):
   (Worker).
 
 Unsupported set-ups (see :mod:`kvpush.connector.support`) are refused here,
-at start-up, with an error naming the setting. ``docs/architecture.md``
+at start-up, with an error naming the setting. ``docs/design.md``
 follows one request through every message.
 """
 

@@ -263,7 +263,7 @@ class KvPushPromMetrics(KVConnectorPromMetrics):
             documentation="Decode KV blocks held past their deadline, waiting "
             "for the final word of (or a proof against) the prefill engine "
             "`peer`; above 0 for minutes means that prefill is unreachable "
-            "(docs/architecture.md: What to alert on).",
+            "(docs/operations.md: What to alert on).",
             labelnames=[*labelnames, *names.KVPUSH_QUARANTINED_BLOCKS.labels],
             multiprocess_mode="mostrecent",
         )

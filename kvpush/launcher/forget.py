@@ -2,7 +2,7 @@
 
 Decode cannot tell a prefill whose host died from one behind a partition,
 so it keeps that prefill's receives, and their destination blocks, until
-the prefill answers or is proven gone (docs/architecture.md, Liveness).
+the prefill answers or is proven gone (docs/design.md, R5 "What proves a prefill gone").
 This command is the proof for a host that will not come back: it writes
 ``forget/ENGINE_ID.json`` into the control directory of every decode of a
 run (``RUN_DIR/control/<decode>``, or the one ``--control-dir`` names),

@@ -19,7 +19,7 @@ does not matter: a run is the same bytes as its blocks one after another.
 
 The digest is SHA-256 (:data:`DIGEST_BYTES`): measured the fastest
 stdlib hash on the dev machine, which has SHA extensions (0.66 GiB/s,
-against 0.36 GiB/s for BLAKE2b; ``docs/architecture.md``, "KV digests").
+against 0.36 GiB/s for BLAKE2b; ``docs/design.md``, "KV digests").
 Not a MAC: it detects corruption, not a forger (the side channel's HMAC
 is what authenticates peers).
 

@@ -1,7 +1,7 @@
 """Decode's ownership ledger: which destination blocks each transfer holds.
 
 Decode reserves a transfer's destination blocks from its registration until
-prefill's final word (see the timing rule in ``docs/architecture.md``);
+prefill's final word (see the timing rule, R1 in ``docs/design.md``);
 :class:`~kvpush.connector.decode.receiver.Receiver` records each reservation
 here. Blocks are exclusive: vLLM must never give one block to two live
 receives, and a ledger that refused such a hold makes the bug visible

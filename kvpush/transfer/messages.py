@@ -194,7 +194,7 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     synchronised. Prefill posts no WRITE after arrival + ``ttl_s`` − its
     post margin. Decode owns the destination blocks throughout; it frees
     them on Done, on Failure, or once the prefill process is proven gone,
-    never when a deadline passes (see ``docs/architecture.md``, "The timing
+    never when a deadline passes (see ``docs/design.md``, R1 "The timing
     rule"). ``decode_boot_id`` is the boot id of the
     decode that owns the blocks: prefill writes only after a Hello with that
     same boot id (the epoch fence against writing into a restarted decode).
@@ -269,7 +269,7 @@ class Reconcile(msgspec.Struct, frozen=True, tag="reconcile"):
     completed, else ``Failure(peer_lost)``; and it closes each such id for
     good (a Registration that comes later under it is refused). Ids it
     still holds carry on; their final word comes on this socket. Decode
-    frees blocks only on those answers (see ``docs/architecture.md``, "The
+    frees blocks only on those answers (see ``docs/design.md``, R1 "The
     timing rule"). More ids than :data:`MAX_IDS_PER_MESSAGE` go in several
     messages."""
 

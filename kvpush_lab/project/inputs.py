@@ -49,7 +49,7 @@ PARAMS: tuple[Param, ...] = (
           "its own KV shard over its own share"),
     Param("link_efficiency", 0.8, "of nominal", ASSUMED,
           "achieved fraction of the EFA rate; measured here 0.96/0.98 of a shaped "
-          "1/4 Gbit/s TCP link (BENCHMARKS.md, Multi-host rehearsal), a different "
+          "1/4 Gbit/s TCP link (docs/bench/rehearsal-bandwidth), a different "
           "regime from a 400 Gbit/s RDMA NIC"),
     Param("hbm_tb_per_s", 4.8, "TB/s", PUBLISHED, "H200 HBM3e bandwidth per GPU"),
     Param("hbm_efficiency", 0.8, "of nominal", ASSUMED,
@@ -60,7 +60,7 @@ PARAMS: tuple[Param, ...] = (
           "per decode step beyond HBM reads: scheduling, sampling, TP all-reduces"),
     Param("post_us_per_desc", 1.73, "us", MEASURED,
           "NIXL post per descriptor: (280 - 2.68 ms) / (160,000 - 160) descriptors, "
-          "BENCHMARKS.md Micro-benchmarks, NIXL's own calls (UCX, 5b663b8); the "
+          "docs/bench/micro, NIXL's own calls (UCX, 5b663b8); the "
           "published Llama-3.3-70B figure is (46 - 0.46 ms) / (18,880 - 118) = 2.43"),
     Param("hop_ms", 8.0, "ms", MEASURED,
           "pull's second leg: prefill's answer -> router -> decode's API server "
@@ -74,7 +74,7 @@ PARAMS: tuple[Param, ...] = (
           "another prompt is waiting"),
     Param("kvpush_setup_ms", 1.1, "ms", MEASURED,
           "kvpush: KV ready -> WRITE posted, p50 of the traces (docs/performance.md, "
-          "'Where kvpush's ~15 ms goes')"),
+          "'Where the time goes on the critical path')"),
     Param("kvpush_notify_ms", 1.4, "ms", MEASURED,
           "kvpush: WRITE done -> decode's get_finished has it, p50 of the traces "
           "(progress thread, 1 ms polls)"),

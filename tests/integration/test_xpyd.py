@@ -42,7 +42,7 @@ SKIP_PORT, AUTO_PORT, LATE_PORT = 38010, 38011, 38012
 SHAPE_NAMES = ("completion-short", "completion-long", "chat-stream", "chat")
 PREFILLS, DECODES = ("prefill0", "prefill1"), ("decode0", "decode1")
 # A prefill leg whose decode died may finish first; prefill then holds its
-# KV for that decode until this deadline (docs/architecture.md, "Faults").
+# KV for that decode until this deadline (docs/design.md, "Deadlines").
 READY_TTL_S = 6.0
 # How long a decode keeps its blocks for a transfer before it asks prefill
 # for its final word (its receive deadline is this plus a 5 s margin), and

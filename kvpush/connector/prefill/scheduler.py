@@ -13,7 +13,7 @@ own prefix cache held at admission go with the request's first trigger,
 after this step's forward: vLLM caches a block when it allocates it, before
 the forward that writes it, so a hit may be a block another request's
 forward in this very step is still filling ("written by a completed
-forward", ``docs/architecture.md``).
+forward", rule R2 of ``docs/design.md``).
 When the request finishes, vLLM keeps its blocks (``request_finished``
 returns True) until the worker reports the push over (done, failed or
 expired); one aborted between two chunks is also cancelled. A leg in vLLM's
