@@ -551,9 +551,9 @@ def test_a_partial_prefix_hit_on_decode_streams_only_the_blocks_it_lacks():
     rig.assert_nothing_held()
 
 
-def test_prefills_own_cached_blocks_go_first_before_any_forward():
+def test_a_written_chunk_goes_while_a_later_chunks_forward_still_runs():
     rig = streaming(PipelineRig())
-    rig.ready(0.0, src=(4, 5, 6), final=False)  # cached on prefill
+    rig.ready(0.0, src=(4, 5, 6), final=False)  # its forward's fence completed
     rig.ready(0.0, src=(9,), first=3, fence=Pending())  # its forward still runs
     rig.tick(0.0)
     (write,) = rig.writes()
