@@ -17,6 +17,7 @@ from kvpush.cli import main
 from kvpush.launcher import netns, status
 from kvpush.model.kv_size import kv_bytes_per_token
 from kvpush_lab.bench.records import read_records
+from kvpush_lab.bench.results import load_results
 from kvpush_lab.bench.summary import load_summary
 
 pytestmark = pytest.mark.integration
@@ -77,13 +78,18 @@ def test_resources_warmup_and_files_are_recorded(results: Path) -> None:
         assert config.warmup is not None and config.warmup.num_ok >= 1
         assert config.load is not None and config.load.cluster_cores > 0
         assert config.points[0].handover is None  # vLLM writes no timelines
-    for name in ("summary.json", "report.md", "ttft_vs_qps.png", "tpot_vs_qps.png",
-                 "ttft_cdf.png", "timeline.png"):  # fmt: skip
+    for name in ("summary.json", "results.json", "report.md", "ttft_vs_qps.png",
+                 "tpot_vs_qps.png", "ttft_cdf.png", "timeline.png"):  # fmt: skip
         assert (results / name).stat().st_size > 0
     report = (results / "report.md").read_text()
     assert "## Repeated rounds" in report and "2 rounds." in report
     assert report.count("| colocated | 6 / 6 |") == len(ROUNDS)  # each round's own
     assert report.count("| vllm-pull | 6 / 6 |") == len(ROUNDS)
+    data = load_results(results)  # the typed results every run writes
+    assert data.num_rounds == len(ROUNDS) and sorted(data.configs) == sorted(CONFIGS)
+    for config in CONFIGS:
+        rounds = [m for p in data.points for m in data.measured(p, config)]
+        assert len(rounds) == len(ROUNDS), config
 
 
 def test_every_cluster_was_stopped(results: Path) -> None:
