@@ -27,9 +27,11 @@ reads nothing (it wakes every :data:`IDLE_WAKE_S` only to see whether it
 should stop). Nothing is lost while it sleeps: a notification waits in
 NIXL until the next read, and a WRITE to this decode is posted only after
 decode registered its blocks, which its worker learns in the same step's
-``bind``, before the forward. On a GPU host the Python thread would
-otherwise take the GIL a thousand times a second from the model runner
-for nothing.
+``bind``, before the forward. Polling all the time would take the GIL a
+thousand times a second from the model runner for nothing; on the dev
+machine that cost stays below the noise of a stand-in engine step
+(``kvpush bench-micro``, "Decode step with the NIXL progress thread"),
+but an idle decode should not pay it at all.
 
 Cost and limits while polling: about 3 % of a core on the 2-core dev
 machine (~900 reads a second; one read takes under 1 us). The thread needs
