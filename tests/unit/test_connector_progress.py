@@ -41,6 +41,18 @@ class CountingIO(FakeNixlIO):
         return super().notifications()
 
 
+def worker_on(io: CountingIO) -> DecodeWorker:
+    """A decode worker on the fake agent ``io``, with fake sockets and
+    heartbeats; the caller gives it its progress."""
+    worker = DecodeWorker(make_config("decode"))
+    worker._peers.close()
+    worker._heartbeats.close()
+    worker._peers = FakePeers()  # type: ignore[assignment]
+    worker._heartbeats = RecordingHeartbeats()  # type: ignore[assignment]
+    worker._io = io  # type: ignore[assignment]
+    return worker
+
+
 def test_notifications_are_read_while_the_main_thread_does_nothing():
     io = CountingIO()
     progress = Progress(io, Counters())
@@ -91,12 +103,7 @@ def test_the_worker_receives_a_done_the_thread_read_between_two_steps():
     """The Done is read out of NIXL with no engine step at all (that read is
     what moves UCX along); the next ``get_finished`` reports it."""
     io = CountingIO()
-    worker = DecodeWorker(make_config("decode"))
-    worker._peers.close()
-    worker._heartbeats.close()
-    worker._peers = FakePeers()  # type: ignore[assignment]
-    worker._heartbeats = RecordingHeartbeats()  # type: ignore[assignment]
-    worker._io = io  # type: ignore[assignment]
+    worker = worker_on(io)
     worker._progress = Progress(io, worker.counters)
     worker._progress.want(True)  # as bind() says once it expects
     try:
@@ -150,12 +157,7 @@ def test_the_worker_polls_exactly_while_a_receive_is_pending():
     """bind() with an expect turns polling on; the get_finished that ends
     the last receive turns it off; an empty step leaves it off."""
     io = CountingIO()
-    worker = DecodeWorker(make_config("decode"))
-    worker._peers.close()
-    worker._heartbeats.close()
-    worker._peers = FakePeers()  # type: ignore[assignment]
-    worker._heartbeats = RecordingHeartbeats()  # type: ignore[assignment]
-    worker._io = io  # type: ignore[assignment]
+    worker = worker_on(io)
     progress = InlineProgress(io)
     worker._progress = progress  # type: ignore[assignment]
     try:
