@@ -210,12 +210,14 @@ async def test_an_abort_mid_stream_closes_the_connection_and_the_leg() -> None:
         fake = r.cluster.colocated[0]
         fake.fault = Fault(chunk_delay_s=0.1)
         rec = await soak_send(r.url, abort_after_s=0.25)
-        for _ in range(50):  # the router aborts its leg once we are gone
+        for _ in range(250):  # the router aborts its leg once we are gone
             if fake.received[-1].is_cancelled:
                 break
             await asyncio.sleep(0.02)
     assert rec.is_aborted and 1 <= len(rec.token_times_s) < 6
-    assert rec.end_s == pytest.approx(0.25, abs=0.1)
+    # at its abort time (counted from the send, which starts a moment after
+    # the abort's timer); a loaded event loop may fire it late
+    assert 0.2 <= rec.end_s < 0.6
     assert classify(rec).reason == "mid-stream"
     assert fake.received[-1].is_cancelled
 
