@@ -44,6 +44,7 @@ from tests.unit.test_connector_writer import (
     BS,
     DECODE,
     DST_BASE,
+    LAYER_BYTES,
     NUM_LAYERS,
     PREFILL,
     SRC_BASE,
@@ -325,11 +326,10 @@ def end_write(write: WriteRecord, state: str = "DONE") -> None:
 def blocks_of(write: WriteRecord) -> dict[int, tuple[list[int], list[int]]]:
     """Per layer, (prefill blocks, decode blocks) one WRITE copies (whole
     blocks of :data:`BLOCK_BYTES`)."""
-    layer_bytes = 32 * BLOCK_BYTES
     out: dict[int, tuple[list[int], list[int]]] = {}
     for s, d in zip(write.src, write.dst, strict=True):
-        layer, offset = divmod(s.addr - SRC_BASE, layer_bytes)
-        first_d = (d.addr - DST_BASE - layer * layer_bytes) // BLOCK_BYTES
+        layer, offset = divmod(s.addr - SRC_BASE, LAYER_BYTES)
+        first_d = (d.addr - DST_BASE - layer * LAYER_BYTES) // BLOCK_BYTES
         n = s.length // BLOCK_BYTES
         src, dst = out.setdefault(layer, ([], []))
         src += range(offset // BLOCK_BYTES, offset // BLOCK_BYTES + n)

@@ -32,6 +32,7 @@ from kvpush.transfer.messages import (
     claim_digest,
 )
 from tests.fakes.fake_nixl import FakeNixlIO, wait_for
+from tests.unit.prefill_pipeline_rig import FOREVER
 from tests.unit.test_connector_writer import (
     BOOT,
     DECODE,
@@ -40,7 +41,7 @@ from tests.unit.test_connector_writer import (
     Rig,
     layout,
 )
-from tests.unit.test_connector_writer_safety import FOREVER, end_write
+from tests.unit.test_connector_writer_safety import end_write
 
 TOKEN = secrets.token_urlsafe(32)
 D1, D1_ROUTE = "d1", b"route-d1"

@@ -32,19 +32,16 @@ from kvpush.connector.prefill.fence import (
 )
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import Cause, Done, Failure, claim_digest
-from tests.fakes.fake_nixl import WriteRecord, wait_for
+from tests.fakes.fake_nixl import wait_for
+from tests.unit.prefill_pipeline_rig import FOREVER, blocks_of
 from tests.unit.test_connector_writer import (
-    BLOCK_BYTES,
     DECODE,
     DECODE_ROUTE,
-    DST_BASE,
-    LAYER_BYTES,
     PREFILL,
-    SRC_BASE,
     Rig,
 )
 from tests.unit.test_connector_writer_late import TOKEN
-from tests.unit.test_connector_writer_safety import FOREVER, end_write
+from tests.unit.test_connector_writer_safety import end_write
 
 LAYERS = 4
 ALL = [4, 5, 6, 9]  # every prompt block, on prefill
@@ -81,24 +78,11 @@ def save(rig: Rig, fences: LayerFences, *layers: int) -> None:
         rig.writer.layer_saved(fences, layer, NO_FENCE)
 
 
-def layers_of(write: WriteRecord) -> dict[int, tuple[list[int], list[int]]]:
-    """Per layer, (prefill blocks, decode blocks) one WRITE copies."""
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    for s, d in zip(write.src, write.dst, strict=True):
-        layer, offset = divmod(s.addr - SRC_BASE, LAYER_BYTES)
-        first_d = (d.addr - DST_BASE - layer * LAYER_BYTES) // BLOCK_BYTES
-        n = s.length // BLOCK_BYTES
-        src, dst = out.setdefault(layer, ([], []))
-        src += range(offset // BLOCK_BYTES, offset // BLOCK_BYTES + n)
-        dst += range(first_d, first_d + n)
-    return out
-
-
 def sent_per_layer(rig: Rig) -> dict[int, list[int]]:
     """Every prefill block each layer sent, over all WRITEs, in order."""
     out: dict[int, list[int]] = {}
     for write in rig.io.writes_snapshot():
-        for layer, (src, _) in layers_of(write).items():
+        for layer, (src, _) in blocks_of(write).items():
             out.setdefault(layer, []).extend(src)
     return out
 
@@ -127,14 +111,14 @@ def test_the_done_waits_for_every_earlier_write_of_every_layer(rig: Rig):
 
     assert rig.wait_finished("req-1")
     *earlier, held, done = rig.io.writes_snapshot()
-    assert [layers_of(w) for w in earlier] == [
+    assert [blocks_of(w) for w in earlier] == [
         {layer: (ALL, [10, 11, 12, 13])} for layer in range(LAYERS - 1)
     ]
     # the last layer went at once, less its Done piece (one block)...
-    assert layers_of(held) == {LAYERS - 1: ([4, 5, 6], [10, 11, 12])}
+    assert blocks_of(held) == {LAYERS - 1: ([4, 5, 6], [10, 11, 12])}
     assert held.notif == b"" and held.running_at_post > 0
     # ...which went, with the Done, once nothing else ran
-    assert layers_of(done) == {LAYERS - 1: ([9], [13])}
+    assert blocks_of(done) == {LAYERS - 1: ([9], [13])}
     assert done.running_at_post == 0
     assert done.message == Done("t1", PREFILL, num_blocks=4)
     assert rig.decode_io.notifications() == [done.notif], "one Done, the last"
@@ -157,7 +141,7 @@ def test_a_failed_write_of_one_layer_fails_the_transfer(rig: Rig):
 
     assert rig.wait_finished("req-1")
     rig.sync()
-    assert [layers_of(w) for w in rig.io.writes_snapshot()] == [
+    assert [blocks_of(w) for w in rig.io.writes_snapshot()] == [
         {0: ([4, 5], [10, 11])},
         {1: ([4, 5], [10, 11])},
     ], "nothing after the failed layer"
@@ -177,7 +161,7 @@ def test_a_registration_mid_stream_catches_up_in_one_coalesced_write(rig: Rig):
     assert wait_for(lambda: rig.io.writes_snapshot())
     rig.sync()
     (write,) = rig.io.writes_snapshot()
-    assert layers_of(write) == {
+    assert blocks_of(write) == {
         0: ([4, 5, 6], [10, 11, 12]),
         1: ([4, 5, 6], [10, 11, 12]),
         2: ([4, 5], [10, 11]),
@@ -201,13 +185,13 @@ def test_prefills_own_cached_blocks_go_first_with_no_layer_to_wait_for(rig: Rig)
     assert wait_for(lambda: posted_and_ended(rig, 1))
     rig.sync()
     (first,) = rig.io.writes_snapshot()
-    assert layers_of(first) == {layer: ([4, 5], [10, 11]) for layer in range(LAYERS)}, (
+    assert blocks_of(first) == {layer: ([4, 5], [10, 11]) for layer in range(LAYERS)}, (
         "every layer of the cached blocks, in one WRITE, before any layer"
     )
 
     save(rig, fences, 0)
     assert wait_for(lambda: posted_and_ended(rig, 2))
-    assert layers_of(rig.io.writes_snapshot()[1]) == {0: ([6, 9], [12, 13])}
+    assert blocks_of(rig.io.writes_snapshot()[1]) == {0: ([6, 9], [12, 13])}
     save(rig, fences, ALL_LAYERS)  # the forward ended: the other layers
     assert rig.wait_finished("req-1")
     assert sent_per_layer(rig) == {layer: ALL for layer in range(LAYERS)}

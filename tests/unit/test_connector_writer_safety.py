@@ -2,8 +2,9 @@
 a WRITE in flight, and reports one still running so that memory stays
 registered. The rest of issue 9's defects (preemption, NIXL errors,
 duplicate ids, fences, a forgotten decode) are tested on the pure
-pipeline in ``test_prefill_pipeline.py``. ``FOREVER`` and ``end_write``
-serve the other thread-rig tests: a WRITE that ends when the test says.
+pipeline in ``test_prefill_pipeline.py``. ``end_write`` serves the other
+thread-rig tests: a WRITE scripted ``FOREVER`` (the pipeline rig's) ends
+when the test says.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 from collections import deque
 
 from tests.fakes.fake_nixl import WriteRecord, wait_for
+from tests.unit.prefill_pipeline_rig import FOREVER
 from tests.unit.test_connector_writer import Rig
-
-FOREVER = ("PROC",) * 1_000_000 + ("DONE",)
 
 
 def end_write(rig: Rig, write: WriteRecord, state: str = "DONE") -> None:

@@ -20,15 +20,14 @@ from kvpush.connector.prefill.fence import NoFence
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import Done
 from tests.fakes.fake_nixl import WriteRecord, wait_for
+from tests.unit.prefill_pipeline_rig import FOREVER
+from tests.unit.prefill_pipeline_rig import blocks_of as layer_blocks
 from tests.unit.test_connector_writer import (
-    BLOCK_BYTES,
     DECODE,
-    DST_BASE,
     PREFILL,
-    SRC_BASE,
     Rig,
 )
-from tests.unit.test_connector_writer_safety import FOREVER, end_write
+from tests.unit.test_connector_writer_safety import end_write
 
 
 @pytest.fixture
@@ -53,19 +52,9 @@ def chunk(
 
 
 def blocks_of(write: WriteRecord) -> tuple[list[int], list[int]]:
-    """(prefill blocks, decode blocks) a WRITE copies, from layer 0's runs."""
-    src, dst = [], []
-    for s, d in zip(write.src, write.dst, strict=True):
-        if s.addr >= SRC_BASE + 32 * BLOCK_BYTES:
-            continue  # layer 1 repeats layer 0's runs
-        first_s, first_d = (
-            (s.addr - SRC_BASE) // BLOCK_BYTES,
-            (d.addr - DST_BASE) // BLOCK_BYTES,
-        )
-        n = s.length // BLOCK_BYTES
-        src += range(first_s, first_s + n)
-        dst += range(first_d, first_d + n)
-    return src, dst
+    """(prefill blocks, decode blocks) a WRITE copies in layer 0 (the
+    other layers repeat its runs)."""
+    return layer_blocks(write).get(0, ([], []))
 
 
 def test_items_in_flight_are_tracked_apart_and_done_waits_for_all(rig: Rig):
