@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth
@@ -82,8 +82,8 @@ from kvpush.transfer.digest import (
     check_verify_kv,
 )
 
-ConnectorRole = Literal["prefill", "decode"]
-_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+ConnectorRole = Literal["prefill", "decode", "both"]
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 # NIXL transport plugins kvpush may be configured with: UCX (the default,
 # tested here) and LIBFABRIC (what AWS EFA users run).
 NIXL_BACKENDS: tuple[str, ...] = ("UCX", "LIBFABRIC")
@@ -133,6 +133,8 @@ class ConnectorConfig:
     verify_kv_sample: float = DEFAULT_VERIFY_SAMPLE
     # decode: where ``kvpush forget`` writes (kvpush.connector.control); "": off
     control_dir: str = ""
+    # one side of a kv_both instance (see ``sides``)
+    of_both: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -144,7 +146,7 @@ class ConnectorConfig:
             check_verify_kv(self.verify_kv, self.verify_kv_sample)
         except ValueError as e:
             raise ValueError(f"kv_connector_extra_config.{e}") from None
-        if self.role == "prefill":  # its worker binds the listener here
+        if self.role != "decode":  # its prefill worker binds the listener here
             check_side_channel_auth(
                 self.side_channel_host, bool(self.secret), self.insecure_side_channel
             )
@@ -184,6 +186,19 @@ class ConnectorConfig:
             )
 
     @property
+    def sides(self) -> tuple[ConnectorConfig, ...]:
+        """The config of each role this instance plays: itself for
+        ``prefill`` or ``decode``; for ``both`` (vLLM's ``kv_both``), a
+        prefill's and a decode's, each run by role objects of its own
+        (:mod:`kvpush.connector.connector`)."""
+        if self.role != "both":
+            return (self,)
+        return tuple(
+            replace(self, role=role, of_both=True)  # type: ignore[arg-type]
+            for role in ("prefill", "decode")
+        )
+
+    @property
     def advertised_side_channel_host(self) -> str:
         """The side-channel address decodes are told to connect to."""
         return self.side_channel_advertise_host or self.side_channel_host
@@ -215,8 +230,13 @@ class ConnectorConfig:
     @property
     def agent_name(self) -> str:
         """This worker's NIXL agent name, derived from the engine id and the
-        TP rank (:func:`kvpush.transfer.ranks.agent_name`)."""
-        return ranks.agent_name(self.engine_id, self.tp_rank)
+        TP rank (:func:`kvpush.transfer.ranks.agent_name`). The decode side
+        of a ``kv_both`` instance runs a second agent in the same process:
+        its name ends in ``-decode`` (a plain agent's ends in its rank
+        number, so no engine id can take it); decodes tell prefills their
+        agent's name in their Hello, so nothing else derives it."""
+        name = ranks.agent_name(self.engine_id, self.tp_rank)
+        return f"{name}-decode" if self.of_both and self.role == "decode" else name
 
     @property
     def listen_port(self) -> int:
@@ -234,8 +254,9 @@ class ConnectorConfig:
         kv = vllm_config.kv_transfer_config
         if kv.kv_role not in _ROLES:
             raise ValueError(
-                f"KvPushConnector needs kv_role kv_producer (prefill) or "
-                f"kv_consumer (decode), not {kv.kv_role!r}"
+                f"KvPushConnector needs kv_role kv_producer (prefill), "
+                f"kv_consumer (decode) or kv_both (either, per request), "
+                f"not {kv.kv_role!r}"
             )
         extra = kv.kv_connector_extra_config or {}
         durations = {k: float(extra[k]) for k in _DURATIONS if k in extra}
@@ -271,6 +292,7 @@ class ConnectorConfig:
                 verify_kv=str(extra.get("verify_kv", DEFAULT_VERIFY_KV)),
                 verify_kv_sample=_fraction(extra),
                 control_dir=_control_dir(extra),
+                of_both=False,  # sides() makes those
                 **durations,
             )
         except (TypeError, ValueError) as e:

@@ -3,20 +3,29 @@
 Load it by the name kvpush's vLLM plugin registers (:mod:`kvpush.vllm_plugin`)::
 
     --kv-transfer-config '{"kv_connector": "KvPushConnector",
-        "kv_role": "kv_producer" | "kv_consumer", "engine_id": "prefill0",
+        "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+        "engine_id": "prefill0",
         "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
                                       "side_channel_port": 5600}}'
 
 vLLM builds one instance per process: with role SCHEDULER in EngineCore and
 with role WORKER in each Worker. This class only adapts vLLM's interface to
-one of four role objects, chosen once here by (kvpush role, vLLM role):
+kvpush's role objects, made once here by (kvpush role, vLLM role):
 
-* prefill: :class:`~kvpush.connector.prefill.scheduler.PrefillScheduler`
-  (EngineCore) and :class:`~kvpush.connector.prefill.worker.PrefillWorker`
-  (Worker);
-* decode: :class:`~kvpush.connector.decode.scheduler.DecodeScheduler`
-  (EngineCore) and :class:`~kvpush.connector.decode.worker.DecodeWorker`
-  (Worker).
+* prefill (``kv_producer``):
+  :class:`~kvpush.connector.prefill.scheduler.PrefillScheduler` (EngineCore)
+  and :class:`~kvpush.connector.prefill.worker.PrefillWorker` (Worker);
+* decode (``kv_consumer``):
+  :class:`~kvpush.connector.decode.scheduler.DecodeScheduler` (EngineCore)
+  and :class:`~kvpush.connector.decode.worker.DecodeWorker` (Worker);
+* both (``kv_both``, what vLLM's NixlConnector deployments configure on
+  every instance): a prefill's and a decode's, side by side. Each request
+  goes to one side by its leg (:func:`~kvpush.connector.legs.is_decode_leg`:
+  decode legs to the decode side, everything else to the prefill side, as
+  a prefill-only instance serves it); the step's metadata carries both
+  sides' (:class:`~kvpush.connector.metadata.BothMetadata`); each worker
+  side runs its own NIXL agent over the same KV cache, and each keeps its
+  own state, threads and counters, exactly as on a one-role instance.
 
 Unsupported set-ups (see :mod:`kvpush.connector.support`) are refused here,
 at start-up, with an error naming the setting. ``docs/design.md``
@@ -42,7 +51,13 @@ from kvpush.connector.config import (
 )
 from kvpush.connector.decode.scheduler import DecodeScheduler
 from kvpush.connector.decode.worker import DecodeWorker
-from kvpush.connector.metadata import DecodeMetadata, PrefillMetadata, PushesOver
+from kvpush.connector.legs import is_decode_leg
+from kvpush.connector.metadata import (
+    BothMetadata,
+    DecodeMetadata,
+    PrefillMetadata,
+    PushesOver,
+)
 from kvpush.connector.prefill.scheduler import PrefillScheduler
 from kvpush.connector.prefill.worker import PrefillWorker
 from kvpush.connector.stats import KvPushPromMetrics, KvPushStats, take_stats
@@ -67,19 +82,22 @@ class KvPushConnector(KVConnectorBase_V1):
         config = ConnectorConfig.from_vllm(
             vllm_config, kv_cache_config, _tp_rank() if worker else 0
         )
-        self._sched: Scheduler | None = None
-        self._worker: Worker | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        # this process's role objects (None: a side it does not run)
+        self._prefill: PrefillScheduler | None = None
+        self._decode: DecodeScheduler | None = None
+        self._prefill_worker: PrefillWorker | None = None
+        self._decode_worker: DecodeWorker | None = None
+        if not worker:
             _log_cudagraph_needs(config)
-            self._sched = (
-                PrefillScheduler(config)
-                if config.role == "prefill"
-                else DecodeScheduler(config)
-            )
-        elif config.role == "prefill":
-            self._worker = PrefillWorker(config)
-        else:
-            self._worker = DecodeWorker(config)
+        for side in config.sides:
+            if side.role == "prefill" and worker:
+                self._prefill_worker = PrefillWorker(side)
+            elif side.role == "prefill":
+                self._prefill = PrefillScheduler(side)
+            elif worker:
+                self._decode_worker = DecodeWorker(side)
+            else:
+                self._decode = DecodeScheduler(side)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -102,76 +120,94 @@ class KvPushConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._s.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._side_of(request).get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        self._s.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._side_of(request).update_state_after_alloc(
+            request, blocks, num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._s.build_connector_meta(scheduler_output)
+        prefill = self._prefill
+        decode = self._decode
+        if prefill is not None and decode is not None:
+            return BothMetadata(
+                prefill.build_connector_meta(scheduler_output),
+                decode.build_connector_meta(scheduler_output),
+            )
+        return self._side_of(None).build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        sched = self._s
+        """Each side takes its own requests (prefill's in ``finished_sending``
+        and the worker meta, decode's in ``finished_recving``)."""
         sending = connector_output.finished_sending
         recving = connector_output.finished_recving
-        if isinstance(sched, PrefillScheduler):
+        if self._prefill is not None:
             meta = connector_output.kv_connector_worker_meta
-            sched.update_connector_output(sending, recving, meta)
-        else:
-            sched.update_connector_output(sending, recving)
+            self._prefill.update_connector_output(sending, recving, meta)
+        if self._decode is not None:
+            self._decode.update_connector_output(sending, recving)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._s.request_finished(request)
+        return self._side_of(request).request_finished(request)
 
     def has_pending_push_work(self) -> bool:
-        return self._sched is not None and self._sched.has_pending_push_work()
+        return any(s.has_pending_push_work() for s in self._schedulers())
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """vLLM's block pool: prefill pins the blocks a push may read there
         (see :mod:`kvpush.connector.prefill.scheduler`)."""
-        if isinstance(self._sched, PrefillScheduler):
-            self._sched.bind_block_pool(gpu_block_pool)
+        if self._prefill is not None:
+            self._prefill.bind_block_pool(gpu_block_pool)
 
     def has_pending_block_frees(self) -> bool:
         """Asked by vLLM before it preempts: prefill's pins that will come
         back soon (:meth:`PrefillScheduler.has_pending_block_frees`)."""
-        return (
-            isinstance(self._sched, PrefillScheduler)
-            and self._sched.has_pending_block_frees()
-        )
+        return self._prefill is not None and self._prefill.has_pending_block_frees()
 
-    @property
-    def _s(self) -> Scheduler:
-        if self._sched is None:
+    def _side_of(self, request: Any) -> Scheduler:
+        """The scheduler side that serves ``request`` (None: this instance's
+        only side): on a ``kv_both`` instance, by its leg."""
+        if self._prefill is not None and self._decode is not None:
+            params = getattr(request, "kv_transfer_params", None)
+            return self._decode if is_decode_leg(params) else self._prefill
+        side = self._prefill or self._decode
+        if side is None:
             raise RuntimeError("scheduler-side method called on a worker connector")
-        return self._sched
+        return side
+
+    def _schedulers(self) -> list[Scheduler]:
+        return [s for s in (self._prefill, self._decode) if s is not None]
 
     # -- worker side (Worker) ------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._w.register_kv_caches(kv_caches)
+        workers = self._workers()
+        if not workers:
+            raise RuntimeError("worker-side method called on a scheduler connector")
+        for worker in workers:
+            worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        worker = self._w
-        if isinstance(worker, PrefillWorker):
-            if isinstance(connector_metadata, PrefillMetadata):
-                worker.bind(connector_metadata)
-        elif isinstance(connector_metadata, DecodeMetadata):
-            worker.bind(connector_metadata)
+        prefill, decode = _split(connector_metadata)
+        if self._prefill_worker is not None and prefill is not None:
+            self._prefill_worker.bind(prefill)
+        if self._decode_worker is not None and decode is not None:
+            self._decode_worker.bind(decode)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward: close the pushes of preempted requests (it
         does not wait: their blocks a WRITE may read stay pinned)."""
-        worker = self._w
-        if isinstance(worker, PrefillWorker) and isinstance(
-            kv_connector_metadata, PrefillMetadata
-        ):
-            worker.handle_preemptions(kv_connector_metadata)
+        prefill, _ = _split(kv_connector_metadata)
+        if self._prefill_worker is not None and prefill is not None:
+            self._prefill_worker.handle_preemptions(prefill)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing to load: KV is pushed into this instance's blocks."""
@@ -185,63 +221,60 @@ class KvPushConnector(KVConnectorBase_V1):
         """Right after each layer's attention (vLLM's forward path): the
         chunks pushed per layer may send that layer (prefill); a push per
         chunk or request waits for :meth:`wait_for_save`."""
-        worker = self._worker
-        if isinstance(worker, PrefillWorker):
-            worker.save_kv_layer(layer_name)
+        if self._prefill_worker is not None:
+            self._prefill_worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        worker = self._w
-        if isinstance(worker, PrefillWorker):
-            worker.wait_for_save()
+        if self._prefill_worker is not None:
+            self._prefill_worker.wait_for_save()
 
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        worker = self._w
-        if isinstance(worker, PrefillWorker):
-            return worker.get_finished(finished_req_ids) or None, None
-        return None, worker.get_finished() or None
+        sending = recving = None
+        if self._prefill_worker is not None:
+            sending = self._prefill_worker.get_finished(finished_req_ids) or None
+        if self._decode_worker is not None:
+            recving = self._decode_worker.get_finished() or None
+        return sending, recving
 
     def build_connector_worker_meta(self) -> PushesOver | None:
         """After ``get_finished``: prefill's pushes over on this rank, for
         the scheduler's pins."""
-        worker = self._w
-        if isinstance(worker, PrefillWorker):
-            return worker.build_worker_meta()
+        if self._prefill_worker is not None:
+            return self._prefill_worker.build_worker_meta()
         return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self._w
-        if isinstance(worker, DecodeWorker):
-            return worker.take_load_errors()
+        if self._decode_worker is not None:
+            return self._decode_worker.take_load_errors()
         return set()
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-        if self._sched is not None:
-            self._sched.close()
+        for worker in self._workers():
+            worker.close()
+        for sched in self._schedulers():
+            sched.close()
 
-    @property
-    def _w(self) -> Worker:
-        if self._worker is None:
-            raise RuntimeError("worker-side method called on a scheduler connector")
-        return self._worker
+    def _workers(self) -> list[Worker]:
+        return [w for w in (self._prefill_worker, self._decode_worker) if w is not None]
 
     # -- metrics (vLLM /metrics) ---------------------------------------------
 
     def get_kv_connector_stats(self) -> KvPushStats | None:
-        """What this side counted and timed since the last call (None:
-        nothing). vLLM calls it after every step on both sides: the worker's
-        model runner and the scheduler's ``update_from_output``, which
-        aggregates the two (see :mod:`kvpush.connector.stats`)."""
-        side = self._sched if self._sched is not None else self._worker
-        if side is None:
-            return None
-        quarantined = None
-        if isinstance(side, DecodeWorker):
-            quarantined = side.take_quarantined()
-        return take_stats(side.counters, side.tracer, quarantined)
+        """What this process's sides counted and timed since the last call
+        (None: nothing). vLLM calls it after every step on both sides: the
+        worker's model runner and the scheduler's ``update_from_output``,
+        which aggregates the two (see :mod:`kvpush.connector.stats`)."""
+        total: KvPushStats | None = None
+        for side in [*self._schedulers(), *self._workers()]:
+            quarantined = None
+            if isinstance(side, DecodeWorker):
+                quarantined = side.take_quarantined()
+            stats = take_stats(side.counters, side.tracer, quarantined)
+            if stats is not None:
+                total = stats if total is None else total.aggregate(stats)
+        return total
 
     @classmethod
     def build_kv_connector_stats(
@@ -277,6 +310,19 @@ def _log_cudagraph_needs(config: ConnectorConfig) -> None:
             "CUDA graphs, e.g. on CPU or with --enforce-eager)",
             config.push_granularity,
         )
+
+
+def _split(
+    meta: KVConnectorMetadata,
+) -> tuple[PrefillMetadata | None, DecodeMetadata | None]:
+    """The prefill side's and the decode side's parts of a step's metadata."""
+    if isinstance(meta, BothMetadata):
+        return meta.prefill, meta.decode
+    if isinstance(meta, PrefillMetadata):
+        return meta, None
+    if isinstance(meta, DecodeMetadata):
+        return None, meta
+    return None, None
 
 
 def _tp_rank() -> int:

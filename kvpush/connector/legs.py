@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 from kvpush.connector import vllm_params
@@ -120,6 +121,22 @@ class Legs:
             return False
         self._owner[tid] = rid
         return True
+
+
+def is_decode_leg(params: Any) -> bool:
+    """``params`` ask for a decode leg (the KV comes from a prefill):
+    kvpush's ``role`` ``decode``, or vLLM's ``do_remote_prefill`` alone. A
+    ``kv_both`` instance sends these to its decode side and every other
+    request to its prefill side, which serves it (or refuses its params)
+    as a prefill-only instance would. Pure: it parses nothing else."""
+    if not isinstance(params, Mapping):
+        return False
+    if "role" in params:
+        return params["role"] == "decode"
+    return (
+        params.get("do_remote_prefill") is True
+        and params.get("do_remote_decode") is not True
+    )
 
 
 def _translate(params: Any) -> PrefillLeg | DecodeLeg | VllmPrefill:

@@ -111,3 +111,11 @@ class DecodeMetadata(KVConnectorMetadata):
     failures: list[Failure] = field(default_factory=list)
     # side channels whose prefill asked for a Hello (it does not know us)
     hello_requests: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class BothMetadata(KVConnectorMetadata):
+    """One step's instructions for both sides of a ``kv_both`` instance."""
+
+    prefill: PrefillMetadata = field(default_factory=PrefillMetadata)
+    decode: DecodeMetadata = field(default_factory=DecodeMetadata)

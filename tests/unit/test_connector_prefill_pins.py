@@ -239,12 +239,13 @@ def test_the_connector_hands_vllms_hooks_to_the_prefill_scheduler():
     pool, clock = FakeBlockPool(), Clock()
     config = replace(config_for("prefill"), push_granularity="request")
     conn = object.__new__(KvPushConnector)  # vLLM's config is not needed here
-    conn._sched, conn._worker = PrefillScheduler(config, clock=clock), None
+    conn._prefill = PrefillScheduler(config, clock=clock)
+    conn._decode = conn._prefill_worker = conn._decode_worker = None
     conn.bind_gpu_block_pool(pool)
     req = FakeRequest("r2", PREFILL_PARAMS)
-    admit(conn._sched, req)
+    admit(conn._prefill, req)
     blocks = pool.allocate(5)
-    run_step(conn._sched, req, PROMPT, new(req, blocks))
+    run_step(conn._prefill, req, PROMPT, new(req, blocks))
 
     assert conn.request_finished(req, blocks) == (True, None)
     assert conn.has_pending_block_frees()
@@ -256,4 +257,4 @@ def test_the_connector_hands_vllms_hooks_to_the_prefill_scheduler():
     conn.update_connector_output(KVConnectorOutput(finished_sending={"r2"}))
     pool.free_request(blocks)
     assert pool.held() == {}
-    assert leftovers(conn._sched) == {}
+    assert leftovers(conn._prefill) == {}
