@@ -15,10 +15,12 @@ proxies, llm-d's routing sidecar, vllm-router) put these
   ``transfer_id`` as the prefill leg.
 
 kvpush serves both as a late-bound transfer. The pairing secret is a
-*claim* ``C``: drawn by prefill (``secrets.token_urlsafe(32)``) when the
-leg carries no ``transfer_id``, else the router's ``transfer_id``, which
-must then be a :data:`~kvpush.transfer.messages.ClaimToken` (32 to 128
-URL-safe characters: a uuid4, hex or not, is one). The prefill leg is a
+*claim* ``C``: the router's ``transfer_id``, which must then be a
+:data:`~kvpush.transfer.messages.ClaimToken` (32 to 128 URL-safe
+characters: a uuid4, hex or not, is one) not starting with
+:data:`~kvpush.transfer.matcher.PREFILL_CLAIM_PREFIX`; else, when the leg
+carries none, drawn by prefill: that prefix and 256 random bits
+(:func:`new_claim`). The prefill leg is a
 :class:`PrefillLeg` with ``claim_sha256`` = SHA-256(C); decode's
 :class:`DecodeLeg` carries ``claim_token`` = C (its ``transfer_id``, else
 its ``remote_request_id``). Both sides name the transfer
@@ -27,6 +29,37 @@ never show the claim, and a forged C names a transfer that does not exist
 (it can neither claim nor close anyone else's). One claim, one transfer:
 prefill's matcher lets one decode claim it, once
 (:mod:`kvpush.transfer.matcher`).
+
+A claim prefill drew reaches a decode only after every worker rank
+queued its ready KV for the writer, ahead of any registration bearing
+it; this is why the matcher refuses at once a registration bearing such
+a claim that it holds no KV for (one bearing a router-set claim may come
+first, and waits). The order, for a claim ``C`` drawn for request ``R``:
+
+1. prefill's scheduler gives ``C`` out only in ``request_finished``'s
+   answer, and only once ``R``'s last trigger went to the workers, in the
+   connector metadata of some step ``N`` (its first trigger, which opens
+   the transfer, in a step no later);
+2. on each TP rank, the worker puts each trigger on its writer's inbox
+   (:meth:`~kvpush.connector.prefill.writer.Writer.kv_ready`) in that
+   step's ``wait_for_save`` (a chunk pushed per layer: in ``bind``,
+   before the forward), before the rank returns the step's output (with
+   speculative decoding vLLM defers ``wait_for_save`` to the end of
+   ``sample_tokens``, still before the output);
+3. vLLM's scheduler finishes ``R`` with a response only in
+   ``update_from_output`` of step ``N`` or later, which needs that step's
+   output; with a KV connector the executor collects it from every rank
+   (``KVOutputAggregator``), so every rank's step ``N`` trigger is on its
+   inbox by then (an abort's ``request_finished`` answers no router);
+4. the router sends ``C`` to a decode after that response; the decode's
+   registration reaches each rank's listener, which puts it on the same
+   FIFO inbox, behind the trigger; the writer thread takes events in
+   order, so the ready KV is in the matcher (pending, or matched or
+   closed under a tombstone) before the registration is handled.
+
+Only fault injection breaks step 4 on purpose: ``delay_ready_s`` holds
+the ready KV back from the matcher, so a prefill-drawn claim that comes
+within the delay is refused (decode computes the prompt itself).
 """
 
 from __future__ import annotations
@@ -40,6 +73,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kvpush.transfer.matcher import PREFILL_CLAIM_PREFIX, is_prefill_claim
 from kvpush.transfer.messages import DecodeLeg, PrefillLeg, claim_digest
 from kvpush.transfer.ranks import MAX_TP_SIZE
 
@@ -67,8 +101,9 @@ def transfer_id_of(claim: str) -> str:
 
 
 def new_claim() -> str:
-    """A fresh, unguessable claim (256 random bits)."""
-    return secrets.token_urlsafe(32)
+    """A fresh, unguessable claim (256 random bits), of the form only
+    prefill draws (:func:`~kvpush.transfer.matcher.is_prefill_claim`)."""
+    return PREFILL_CLAIM_PREFIX + secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True)
@@ -123,6 +158,12 @@ def _prefill(params: Mapping[str, Any], draw: Callable[[], str]) -> VllmPrefill:
     router_claim = params.get("transfer_id")
     if router_claim is not None:
         _check_claim("transfer_id", router_claim)
+        if is_prefill_claim(router_claim):
+            raise _invalid(
+                f"transfer_id starts with {PREFILL_CLAIM_PREFIX!r}, which kvpush "
+                "keeps for the claims prefill draws itself; a router's "
+                "transfer_id must not (a uuid4 never does)"
+            )
     claim = draw() if router_claim is None else router_claim
     leg = _convert(
         {"transfer_id": transfer_id_of(claim), "claim_sha256": claim_digest(claim)},

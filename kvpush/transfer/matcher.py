@@ -46,6 +46,17 @@ engine is a ``duplicate`` (the transfer goes on; do not tell decode), one
 from any other engine is ``claimed`` (that decode must be told: nothing
 will be written for it). The same holds while a registration is pending.
 
+Claims prefill drew itself (:func:`is_prefill_claim`: they start with
+:data:`PREFILL_CLAIM_PREFIX`, which no router-set claim may) reach a decode
+only after this matcher took their ready KV (why:
+:mod:`kvpush.connector.vllm_params`). So a registration bearing one, under
+a transfer id with no ready KV pending and no tombstone, names KV this
+prefill does not hold (a forged claim, another prefill's, or one whose
+transfer ended longer ago than the tombstone time): it is refused at once
+(``unknown_claim``) and leaves nothing behind, not even a tombstone. A
+registration bearing any other claim, or none, may come before its KV (a
+router that sends both legs at once) and waits for it.
+
 Prefix cache: decode registers only blocks ``first_block`` onwards of the
 prompt's ``n = ceil(num_tokens / block_size)`` blocks. The match pairs
 ``ready.src_block_ids[first_block:n]`` with ``registration.dst_block_ids``
@@ -65,9 +76,22 @@ from kvpush.transfer.messages import Registration, claim_digest
 
 Side = Literal["registration", "ready"]
 RejectCode = Literal[
-    "duplicate", "claimed", "closed", "mismatch", "invalid", "capacity"
+    "duplicate", "claimed", "closed", "mismatch", "invalid", "capacity", "unknown_claim"
 ]
 _Tomb = Literal["matched", "closed"]
+
+# The start of every claim prefill draws itself; reserved: no router-set
+# claim may start with it (ClaimToken characters; a uuid never does).
+PREFILL_CLAIM_PREFIX = "kvpush-claim-"
+_NOT_HELD = (
+    "no KV here for this prefill-drawn claim: this prefill did not draw it "
+    "(forged, or another prefill's), or its transfer ended long ago"
+)
+
+
+def is_prefill_claim(token: str | None) -> bool:
+    """``token`` has the form of a claim a prefill draws itself."""
+    return token is not None and token.startswith(PREFILL_CLAIM_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -350,9 +374,12 @@ class Matcher:
                 return Rejected(tid, "claimed", why)
             return Rejected(tid, "duplicate", f"{side} for {tid} is already pending")
         other: Side = "ready" if side == "registration" else "registration"
+        waiting = self._side(other).get(tid)
+        reg = held.registration
+        if waiting is None and reg is not None and is_prefill_claim(reg.claim_token):
+            return Rejected(tid, "unknown_claim", _NOT_HELD)  # holds nothing
         if problem is not None:
             return self._close(tid, other, "invalid", problem, now)
-        waiting = self._side(other).get(tid)
         if waiting is None:
             if len(self) >= self.config.max_pending:
                 return Rejected(

@@ -269,11 +269,12 @@ class PipelineRig:
         first: int = 0,
         final: bool = True,
         late: bool = False,
+        token: str = TOKEN,
     ) -> None:
         """Prefill's KV of ``tid`` (a whole prompt, or the chunk of prompt
         blocks ``first..``) is computed once ``fence`` says so; ``late``:
-        its leg named no decode, only the claim digest of :data:`TOKEN`."""
-        decode, digest = (None, claim_digest(TOKEN)) if late else (DECODE, None)
+        its leg named no decode, only the claim digest of ``token``."""
+        decode, digest = (None, claim_digest(token)) if late else (DECODE, None)
         kv = ReadyKv(tid, src, 60, decode, first, final, claim_sha256=digest)
         self.pipeline.on_ready(Ready(kv, req_id, fence), now)
 

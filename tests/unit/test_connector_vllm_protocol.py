@@ -7,7 +7,8 @@ prefill draws (or the router's ``transfer_id``), prefill's answer carries
 it, the decode registers with it, and the transfer id both sides use is a
 digest of it. Translation first, then the two schedulers, then the claim
 end to end through a real prefill writer: claimed once, a forged or
-replayed claim gets nothing.
+replayed claim gets nothing (a forged one of the form prefill draws is
+refused at once).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvpush.connector.vllm_params import (
     speaks_vllm,
     transfer_id_of,
 )
-from kvpush.transfer.matcher import ReadyKv
+from kvpush.transfer.matcher import PREFILL_CLAIM_PREFIX, ReadyKv
 from kvpush.transfer.messages import (
     Cancel,
     Cause,
@@ -44,7 +45,9 @@ from kvpush.transfer.messages import (
     Registration,
     TransferParams,
     claim_digest,
+    encode,
 )
+from kvpush.transfer.messages import decode as decode_message
 from tests.fakes.fake_nixl import FakePeers, leftovers, wait_for
 from tests.unit.test_connector_scheduler import (
     DECODE_PARAMS,
@@ -108,12 +111,33 @@ def test_a_pull_proxys_prefill_leg_is_late_bound_to_a_fresh_claim() -> None:
 
     assert isinstance(first, VllmPrefill) and isinstance(second, VllmPrefill)
     assert first.claim != second.claim, "a fresh claim per leg"
-    assert len(first.claim) == 43 and not first.is_router_set
+    assert not first.is_router_set
     assert first.leg == PrefillLeg(
         transfer_id=transfer_id_of(first.claim),
         claim_sha256=claim_digest(first.claim),
     )
     assert first.leg.is_late and first.leg.decode_engine_id is None
+
+
+def test_prefill_draws_claims_of_a_form_no_router_may_use() -> None:
+    """The prefix marks a claim as prefill's own; 256 random bits follow;
+    it is still a claim token on the wire."""
+    claim = parse(VLLM_PREFILL).claim  # type: ignore[union-attr]
+
+    assert claim.startswith(PREFILL_CLAIM_PREFIX)
+    assert len(claim) == len(PREFILL_CLAIM_PREFIX) + 43  # token_urlsafe(32)
+    reg = Registration("t1", "d0", "b0", (1,), 16, 10.0, claim_token=claim)
+    assert decode_message(encode(reg)) == reg
+
+
+def test_a_routers_transfer_id_with_prefills_claim_prefix_is_refused() -> None:
+    tid = PREFILL_CLAIM_PREFIX + uuid.uuid4().hex
+
+    with pytest.raises(ValueError, match="transfer_id starts with") as info:
+        parse({**VLLM_PREFILL, "transfer_id": tid})
+
+    assert repr(PREFILL_CLAIM_PREFIX) in str(info.value), "names the prefix"
+    assert tid not in str(info.value), "a claim is never logged"
 
 
 @pytest.mark.parametrize("tid", [uuid.uuid4().hex, str(uuid.uuid4()), "x" * 128])
@@ -558,10 +582,36 @@ def test_the_decode_holding_prefills_answer_claims_the_kv(rig: LateRig, proxy: s
     prefill.close()
 
 
-def test_a_forged_claim_gets_nothing_and_touches_nothing():
-    """A claim prefill never drew names a transfer that does not exist: the
-    registration waits for KV that never comes, and ends with prefill's
-    Failure at its deadline; the real transfer is still the real claim's."""
+def test_a_forged_claim_is_refused_at_once_and_touches_nothing(rig: LateRig):
+    """A claim of the form prefill draws that prefill does not hold: no
+    decode got it from this prefill's answer (which comes only once the KV
+    is in), so its registration fails at once, holding nothing; the real
+    transfer is still the real claim's."""
+    prefill = prefill_e2e()
+    answer = compute(prefill, rig, VLLM_PREFILL)
+    forged = {**answer, "remote_request_id": PREFILL_CLAIM_PREFIX + "f" * 43}
+
+    reg = claim(rig, D1, forged, D1_ROUTE)  # waits 9 s at prefill if held
+
+    assert wait_for(lambda: rig.failures_to(D1_ROUTE))
+    (failure,) = rig.failures_to(D1_ROUTE)
+    assert (failure.transfer_id, failure.cause) == (reg.transfer_id, Cause.REJECTED)
+    assert "prefill-drawn claim" in failure.detail
+    assert forged["remote_request_id"] not in failure.detail
+    assert rig.counters.get("rejected.unknown_claim") == 1
+    assert rig.io.writes_snapshot() == []
+    claim(rig, DECODE, answer, DECODE_ROUTE)
+    assert rig.wait_finished("p1")
+    (write,) = rig.io.writes_snapshot()
+    assert write.peer == "kvpush-d0", "the real claim still works"
+    assert len(rig.replies.of(Failure)) == 1
+    prefill.close()
+
+
+def test_a_claim_a_router_may_have_set_waits_for_its_kv_until_its_deadline():
+    """A claim not of prefill's form may be a concurrent router's, whose
+    registration comes before the KV: it waits, and ends with prefill's
+    Failure at its deadline when no KV comes."""
     rig = LateRig()
     try:
         prefill = prefill_e2e()

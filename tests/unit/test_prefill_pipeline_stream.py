@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from kvpush.connector.prefill.fence import ALL_LAYERS, NO_FENCE, LayerFences
 from kvpush.connector.prefill.transfer import Phase
+from kvpush.transfer.matcher import PREFILL_CLAIM_PREFIX
 from kvpush.transfer.messages import Cause, Done
+from tests.fakes.fake_nixl import leftovers
 from tests.unit.prefill_pipeline_rig import (
     DST,
     FOREVER,
@@ -319,6 +321,37 @@ def test_a_claim_before_the_late_kv_waits_in_the_matcher_then_writes():
     assert write.peer == "kvpush-d1"
     assert rig.notifications(engine="d1") == [DONE]
     assert rig.finished == ["req-1"]
+    rig.assert_nothing_held()
+
+
+def test_a_prefill_drawn_claim_with_no_kv_here_is_refused_at_once():
+    """A claim of the form prefill draws reaches a decode only after its KV
+    is in: a registration with one that matches nothing here is forged (or
+    another prefill's) and fails at once; nothing is held, nothing written."""
+    rig = claimable(PipelineRig())
+    forged = PREFILL_CLAIM_PREFIX + "f" * 43
+
+    rig.register(0.0, engine="d1", route=b"route-d1-sched", token=forged)
+
+    assert rig.failures(b"route-d1-sched") == [("t1", Cause.REJECTED)]
+    assert rig.counters.get("rejected.unknown_claim") == 1
+    assert leftovers(rig.pipeline._matcher) == {}, "not even a tombstone"
+    rig.tick(100.0)
+    assert rig.writes() == [] and len(rig.failures()) == 1
+    rig.assert_nothing_held()
+
+
+def test_a_prefill_drawn_claim_claims_the_kv_it_was_drawn_for():
+    rig = claimable(PipelineRig())
+    claim = PREFILL_CLAIM_PREFIX + "c" * 43
+    rig.ready(0.0, late=True, token=claim)
+
+    rig.register(0.1, engine="d1", route=b"route-d1-sched", token=claim)
+    rig.tick(0.1)
+
+    (write,) = rig.writes()
+    assert write.peer == "kvpush-d1" and rig.notifications(engine="d1") == [DONE]
+    assert rig.finished == ["req-1"] and rig.failures() == []
     rig.assert_nothing_held()
 
 
