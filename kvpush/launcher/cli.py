@@ -25,7 +25,7 @@ INSTANCE_KEYS = (
     "registration_ttl_s", "ready_ttl_s", "peer_timeout_s", "fault_injection",
     "nixl_backend", "ucx_net_devices", "insecure_side_channel",
     "side_channel_secret_file", "push_granularity", "verify_kv",
-    "verify_kv_sample", "platform", "gpu_memory_utilization",
+    "verify_kv_sample", "platform", "gpu_memory_utilization", "kv_both",
 )  # fmt: skip
 
 
@@ -110,6 +110,14 @@ def add_instance_options(p: argparse.ArgumentParser) -> None:
         help="kvpush: KV digests, checked by decode before it uses the KV "
         "(a mismatch recomputes or errors, by --kv-load-failure-policy): off "
         "(default), sample (--verify-kv-sample of transfers) or all",
+    )
+    p.add_argument(
+        "--kv-both",
+        action="store_true",
+        default=None,
+        help="kvpush: give every instance kv_role kv_both (as vLLM's NIXL "
+        "deployments do): each serves prefill legs and decode legs alike, "
+        "whichever a router sends it",
     )
     p.add_argument(
         "--verify-kv-sample",

@@ -94,6 +94,10 @@ class ClusterConfig:
     ``push_granularity`` (kvpush mode) is prefill's push unit: ``auto`` (the
     default), ``request``, ``chunk`` or ``layer`` (see
     :mod:`kvpush.connector.config`).
+    ``kv_both`` (kvpush mode): every instance gets vLLM's ``kv_role``
+    ``kv_both`` instead of ``kv_producer``/``kv_consumer``, so any of them
+    serves either leg of a request (the topology still names each one's
+    role for kvpush's router; see :mod:`kvpush.connector.connector`).
     ``verify_kv`` (kvpush mode, given to both roles): KV digests, ``off``
     (default), ``sample`` (the fraction ``verify_kv_sample`` of
     transfers; None: the connector's 0.01) or ``all`` (see
@@ -155,6 +159,7 @@ class ClusterConfig:
     push_granularity: str = DEFAULT_PUSH_GRANULARITY
     verify_kv: str = DEFAULT_VERIFY_KV
     verify_kv_sample: float | None = None
+    kv_both: bool = False
     hosts: str = "local"
     link_gbit: float | None = None
     binding: str | None = None
@@ -378,6 +383,9 @@ class InstanceSettings(Protocol):
     def verify_kv(self) -> str: ...
 
     @property
+    def kv_both(self) -> bool: ...
+
+    @property
     def verify_kv_sample(self) -> float | None: ...
 
 
@@ -414,6 +422,10 @@ def check_instance_settings(s: InstanceSettings) -> None:
         f"extra vLLM options must not set the TP ({tp_flags[:1]}): give it with "
         "--prefill-tp/--decode-tp/--colocated-tp (serve: --tp), which also bind "
         "each rank to its core",
+    )
+    _require(
+        not s.kv_both or s.mode == "kvpush",
+        "kv_both is for kvpush mode (vLLM's own NIXL connectors deprecate it)",
     )
     check_nixl_backend(s.nixl_backend)
     check_push_granularity(s.push_granularity)

@@ -55,10 +55,13 @@ def control_dirs(engine_id: str, run_dir: Path) -> list[Path]:
             f"(its prefills: {', '.join(prefills) or 'none'})"
         )
     root = run_dir.absolute()
+    # every decode, and any other instance that receives too (--kv-both:
+    # its connector made its control directory at start)
     return [
         control_dir_of(root, b.engine_id)
         for b in topology.backends
         if b.role == "decode"
+        or (b.engine_id != engine_id and control_dir_of(root, b.engine_id).is_dir())
     ]
 
 

@@ -279,7 +279,7 @@ def kv_transfer_config(
     if config.platform != Platform.CPU and config.mode in _VLLM_CONNECTORS:
         kv = {"kv_connector": _VLLM_CONNECTORS[config.mode]}
     kv |= {
-        "kv_role": _KV_ROLES[spec.role],
+        "kv_role": "kv_both" if config.kv_both else _KV_ROLES[spec.role],
         "kv_buffer_device": config.platform.kv_buffer_device,
         "engine_id": spec.name,
         "kv_load_failure_policy": _VLLM_POLICY[config.kv_load_failure_policy],
@@ -292,19 +292,21 @@ def kv_transfer_config(
 
 
 def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any]:
+    pushes = spec.role == "prefill" or config.kv_both  # it serves prefill legs
+    receives = spec.role == "decode" or config.kv_both
     extra: dict[str, Any] = {
         "side_channel_host": spec.addresses.side_channel_bind_host,
         "side_channel_port": spec.side_channel_port,
         "nixl_backend": config.nixl_backend,
     }
     addresses = spec.addresses
-    if spec.role == "prefill" and (
-        addresses.side_channel_host != addresses.side_channel_bind_host
+    if (
+        pushes and addresses.side_channel_host != addresses.side_channel_bind_host
     ):  # what prefill tells decodes in its answer to a vLLM P/D prefill leg
         extra["side_channel_advertise_host"] = addresses.side_channel_host
     if spec.run_dir is not None:
         extra["trace_dir"] = str(spec.run_dir / "traces")
-        if spec.role == "decode":  # where kvpush forget leaves its proofs
+        if receives:  # where kvpush forget leaves its proofs
             run_dir = spec.run_dir.absolute()  # the connector needs it absolute
             extra["control_dir"] = str(control_dir_of(run_dir, spec.name))
     for name in ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s"):
@@ -319,9 +321,7 @@ def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any
     # Decode pushes nothing; a per-layer granularity (the default, auto) in
     # its config would make vLLM run its CUDA graphs PIECEWISE for nothing
     # (requires_piecewise_for_cudagraph sees this dict, not the role).
-    extra["push_granularity"] = (
-        config.push_granularity if spec.role == "prefill" else "request"
-    )
+    extra["push_granularity"] = config.push_granularity if pushes else "request"
     if config.verify_kv != "off":  # both roles: both must select alike
         extra["verify_kv"] = config.verify_kv
         if config.verify_kv_sample is not None:

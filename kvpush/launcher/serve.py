@@ -93,6 +93,7 @@ class ServeConfig:
     push_granularity: str = DEFAULT_PUSH_GRANULARITY
     verify_kv: str = DEFAULT_VERIFY_KV
     verify_kv_sample: float | None = None
+    kv_both: bool = False
     ucx_net_devices: str | None = None
     insecure_side_channel: bool = False
     side_channel_secret_file: Path | None = None
@@ -177,9 +178,10 @@ class ServeConfig:
         return self.spec().backend()
 
     def check_startable(self) -> None:
-        """Refuse, before anything starts, a kvpush prefill whose side
-        channel would listen off loopback without a secret."""
-        if self.role == "prefill":
+        """Refuse, before anything starts, a kvpush prefill (or any
+        ``kv_both`` instance: it serves prefill legs too) whose side channel
+        would listen off loopback without a secret."""
+        if self.role == "prefill" or self.kv_both:
             check_secret(self, self.addresses.side_channel_bind_host)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
-from tests.integration.test_vllm_protocol import VllmProtocolChecks
+from tests.integration.test_vllm_protocol import KvBothChecks, VllmProtocolChecks
 
 pytestmark = pytest.mark.integration
 
@@ -136,14 +136,19 @@ class TestKvPush(PDChecks, VllmProtocolChecks):
     }
 
 
-class TestKvPushWholeRequest(TestKvPush):
+class TestKvPushWholeRequest(TestKvPush, KvBothChecks):
     """kvpush's connector pushing each prompt whole
-    (``--push-granularity request``), once its last chunk is computed."""
+    (``--push-granularity request``), once its last chunk is computed, on
+    instances that run ``--kv-both`` (vLLM's ``kv_role: kv_both``, as its
+    NIXL deployments configure every instance): every check of
+    :class:`TestKvPush` with the roles kvpush's router gives them, then
+    each instance serving both legs at once."""
 
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "push_granularity": "request",
         "verify_kv": "all",
+        "kv_both": True,
     }
 
 

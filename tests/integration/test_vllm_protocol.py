@@ -13,6 +13,7 @@ them in), not on a cluster of their own.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,20 +36,23 @@ NOT_PUSHED = ("fallback", "receive_failed.", "rejected.", "skipped.")
 
 
 @contextmanager
-def proxy_for(cluster: Cluster, style: str) -> Iterator[str]:
+def proxy_for(
+    cluster: Cluster, style: str, prefill: str = "prefill0", decode: str = "decode0"
+) -> Iterator[str]:
     """A vLLM-protocol router of ``style`` in front of the cluster's
-    prefill0 and decode0 (the prefill's address from the topology, as a
-    router's configuration would have it); yields its URL."""
-    prefill = load_topology(cluster.run_dir / TOPOLOGY_FILE).prefills[0]
+    instances ``prefill`` and ``decode`` (the prefill's address from the
+    topology, as a router's configuration would have it); yields its URL."""
+    backends = load_topology(cluster.run_dir / TOPOLOGY_FILE).backends
+    (prefill_backend,) = (b for b in backends if b.engine_id == prefill)
     proxy = BackgroundProxy(
         ProxyConfig(
             style=style,
-            prefill_url=cluster.instance_url("prefill0"),
-            decode_url=cluster.instance_url("decode0"),
-            prefill_engine_id=prefill.engine_id,
-            prefill_host=prefill.side_channel_host,
-            prefill_port=prefill.side_channel_port,
-            prefill_tp=prefill.tp_size,
+            prefill_url=cluster.instance_url(prefill),
+            decode_url=cluster.instance_url(decode),
+            prefill_engine_id=prefill_backend.engine_id,
+            prefill_host=prefill_backend.side_channel_host,
+            prefill_port=prefill_backend.side_channel_port,
+            prefill_tp=prefill_backend.tp_size,
         )
     )
     try:
@@ -57,13 +61,23 @@ def proxy_for(cluster: Cluster, style: str) -> Iterator[str]:
         proxy.close()
 
 
-def pushes(cluster: Cluster) -> tuple[float, dict[str, Any]]:
-    """Decode0's handovers so far, and every instance's connector events."""
-    faults.nudge(cluster, "decode0")  # counts reach /metrics with a step
+def pushes(cluster: Cluster, receiver: str = "decode0") -> tuple[float, dict[str, Any]]:
+    """``receiver``'s handovers so far, and every instance's connector events."""
+    faults.nudge(cluster, receiver)  # counts reach /metrics with a step
     handovers = faults.instance_metric(
-        cluster, "decode0", "vllm:kvpush_phase_seconds_count", phase="handover"
+        cluster, receiver, "vllm:kvpush_phase_seconds_count", phase="handover"
     )
     return handovers, faults.counters(cluster)
+
+
+def new_events(before: dict[str, Any], after: dict[str, Any]) -> dict[Any, int]:
+    """The connector events counted between two :func:`pushes`."""
+    return {
+        (name, event): n - before[name][event]
+        for name, counts in after.items()
+        for event, n in counts.items()
+        if n > before[name][event]
+    }
 
 
 class VllmProtocolChecks:
@@ -83,11 +97,44 @@ class VllmProtocolChecks:
 
         handovers_after, events_after = pushes(pd_cluster)
         assert handovers_after - handovers == len(replies), "one push per request"
-        new = {
-            (name, event): n - events[name][event]
-            for name, counts in events_after.items()
-            for event, n in counts.items()
-            if n > events[name][event]
+        new = new_events(events, events_after)
+        not_pushed = {k: n for k, n in new.items() if k[1].startswith(NOT_PUSHED)}
+        assert not_pushed == {}, f"not every prompt was pushed: {new}"
+
+
+class KvBothChecks:
+    """Mixed into a kvpush class whose cluster runs ``--kv-both`` (vLLM's
+    ``kv_role: kv_both`` on every instance): either instance serves either
+    leg, both at the same time."""
+
+    def test_each_instance_is_prefill_and_decode_at_once(
+        self, pd_cluster: Cluster, reference: workload.Outputs
+    ) -> None:
+        # Eight requests prefilled on prefill0 and decoded on decode0 (a
+        # concurrent router), eight the other way round (a pull router),
+        # all sixteen in flight together.
+        before = {n: pushes(pd_cluster, n)[0] for n in ("prefill0", "decode0")}
+        _, events = pushes(pd_cluster)
+        with (
+            proxy_for(pd_cluster, "concurrent") as forward,
+            proxy_for(pd_cluster, "pull", "decode0", "prefill0") as backward,
+            ThreadPoolExecutor(max_workers=2) as pool,
+        ):
+            ways = {
+                url: pool.submit(workload.run_concurrent, url, AT_ONCE)
+                for url in (forward, backward)
+            }
+            replies = {
+                (u, n): r for u, f in ways.items() for n, r in f.result().items()
+            }
+        problems = {
+            k: workload.mismatch(reference[k[1]], r) for k, r in replies.items()
         }
+        assert {k: p for k, p in problems.items() if p} == {}
+
+        after = {n: pushes(pd_cluster, n)[0] for n in ("prefill0", "decode0")}
+        received = {n: after[n] - before[n] for n in after}
+        assert received == {"prefill0": len(AT_ONCE), "decode0": len(AT_ONCE)}
+        new = new_events(events, pushes(pd_cluster)[1])
         not_pushed = {k: n for k, n in new.items() if k[1].startswith(NOT_PUSHED)}
         assert not_pushed == {}, f"not every prompt was pushed: {new}"

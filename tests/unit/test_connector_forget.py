@@ -248,6 +248,20 @@ def test_the_launchers_decodes_read_where_forget_writes(tmp_path: Path):
     assert "control_dir" not in prefill_kv["kv_connector_extra_config"]
 
 
+def test_forget_also_reaches_prefills_that_receive_with_kv_both(tmp_path: Path):
+    """A ``--kv-both`` prefill serves decode legs too; its connector made its
+    control directory at start, so a forget of another prefill goes there
+    as well (never to the forgotten one's)."""
+    write_topology(tmp_path)
+    for name in ("prefill0", "prefill1"):  # as their decode sides made them
+        (tmp_path / "control" / name).mkdir(parents=True)
+
+    paths = forget("prefill1", run_dir=tmp_path)
+
+    owners = sorted(p.parent.parent.name for p in paths)
+    assert owners == ["decode0", "decode1", "prefill0"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -167,3 +167,28 @@ def test_up_passes_the_binding_to_its_router(tmp_path: Path) -> None:
     assert ClusterConfig(mode="kvpush", binding="late").binding == "late"
     with pytest.raises(ValueError, match="unknown binding"):
         ClusterConfig(mode="kvpush", binding="never")
+
+
+def test_kv_both_gives_every_kvpush_instance_both_roles(tmp_path: Path) -> None:
+    """``--kv-both``: prefill and decode alike get kv_role kv_both, prefill's
+    granularity (either may push) and a control directory (either may
+    receive)."""
+    config = ClusterConfig(mode="kvpush", kv_both=True, push_granularity="chunk")
+    for spec in plan_instances(config, tmp_path):
+        kv = kv_transfer_config(config, spec)
+        assert kv is not None and kv["kv_role"] == "kv_both"
+        extra = kv["kv_connector_extra_config"]
+        assert extra["push_granularity"] == "chunk"
+        assert extra["control_dir"].endswith(f"control/{spec.name}")
+
+
+def test_kv_both_is_for_kvpush_mode_and_reaches_up_and_serve() -> None:
+    from kvpush.launcher.cli import serve_config
+
+    with pytest.raises(ValueError, match="kv_both is for kvpush mode"):
+        ClusterConfig(mode="vllm-pull", kv_both=True)
+    up = _parser().parse_args(["up", "--mode", "kvpush", "--kv-both"])
+    assert up_config(up).kv_both
+    assert not up_config(_parser().parse_args(["up", "--mode", "kvpush"])).kv_both
+    serve = ["serve", "--role", "decode", "--mode", "kvpush", "--kv-both"]
+    assert serve_config(_parser().parse_args(serve)).kv_both

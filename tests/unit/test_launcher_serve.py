@@ -296,6 +296,18 @@ def test_off_loopback_kvpush_prefill_refuses_without_a_secret(
     connector_config(host, secret=b"s3cr3t")
 
 
+def test_off_loopback_kv_both_decode_refuses_without_a_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With --kv-both a decode serves prefill legs too: its side channel
+    listens, so it needs the secret as a prefill does."""
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    plain = {"role": "decode", "mode": "kvpush", "host": "10.250.0.1"}
+    ServeConfig(**plain).check_startable()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--insecure-side-channel"):
+        ServeConfig(**plain, kv_both=True).check_startable()  # type: ignore[arg-type]
+
+
 def test_up_checks_the_secret_before_starting_anything(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
