@@ -1,4 +1,5 @@
-"""kvpush's vLLM plugin: its connectors by name in vLLM's connector registry.
+"""kvpush's vLLM plugin: its connectors by name in vLLM's connector registry,
+and ``nixl`` where one NIXL build is installed without NIXL's meta package.
 
 Installing kvpush declares :func:`register` in vLLM's ``vllm.general_plugins``
 entry-point group (name ``kvpush``; list it in ``VLLM_PLUGINS`` where that
@@ -12,6 +13,13 @@ with no ``kv_connector_module_path``. ``FairNixlConnector`` and
 CPU-host fixes of :mod:`kvpush.baselines.fair_nixl`) are registered alike,
 so the fair baselines start the same way.
 
+It also lets ``import nixl`` work where kvpush's extras installed one NIXL
+build (``nixl-cu13``) and not NIXL's ``nixl`` meta package, which is what
+provides that module: vLLM's own NIXL connectors (the baselines) import
+``nixl._api``. :func:`kvpush.nixl_build.alias_meta_package` puts a finder
+last on ``sys.meta_path`` that loads the build when something first imports
+``nixl``; where the meta package is installed it is left alone.
+
 The contract vLLM sets for general plugins, and how this one keeps it:
 
 * **Called more than once per process**: a name already registered is left
@@ -20,16 +28,23 @@ The contract vLLM sets for general plugins, and how this one keeps it:
   the module only when a kv-transfer config names that connector; nothing of
   kvpush's connector, torch or NIXL is imported here. Importing vLLM's
   registry itself costs about 30 ms in the API server (every other vLLM
-  process imports it anyway).
+  process imports it anyway). The NIXL alias only looks NIXL's packages up
+  on the path (under 1 ms): importing a build costs about 50 ms beyond
+  numpy, and a NIXL imported before vLLM's connector would keep vLLM from
+  setting ``UCX_RCACHE_MAX_UNRELEASED`` first.
 * **Never stops vLLM**: vLLM runs plugins without catching their errors; a
-  vLLM whose registry moved or changed makes this a logged no-op. A kvpush
-  installed without its connector's dependencies fails only when its
-  connector is chosen, with vLLM's import error naming what is missing.
+  vLLM whose registry moved or changed makes this a logged no-op, and so
+  does an alias that cannot be put in place. A kvpush installed without its
+  connector's dependencies fails only when its connector is chosen, with
+  vLLM's import error naming what is missing; a NIXL build that does not
+  load fails vLLM's own import of ``nixl``, which vLLM reports.
 """
 
 from __future__ import annotations
 
 import logging
+
+from kvpush.nixl_build import alias_meta_package
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +57,13 @@ CONNECTORS: tuple[tuple[str, str, str], ...] = (
 
 
 def register() -> None:
-    """Register kvpush's connectors with vLLM's ``KVConnectorFactory``
-    (vLLM's ``vllm.general_plugins`` entry point; idempotent)."""
+    """Register kvpush's connectors with vLLM's ``KVConnectorFactory`` and
+    alias ``nixl`` to the installed NIXL build where the meta package is
+    absent (vLLM's ``vllm.general_plugins`` entry point; idempotent)."""
+    try:
+        alias_meta_package()
+    except Exception as e:  # vLLM's own NIXL import then says what is wrong
+        logger.warning("kvpush: cannot alias nixl to a NIXL build (%s)", e)
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import (
             KVConnectorFactory,

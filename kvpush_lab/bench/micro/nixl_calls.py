@@ -50,8 +50,10 @@ class _Agent:
     """One NIXL agent with one numpy buffer registered as a KV layout."""
 
     def __init__(self, name: str) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from kvpush.nixl_build import nixl_api
 
+        api = nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self.agent: Any = nixl_agent(name, config)
         span = NUM_BLOCKS * BLOCK_BYTES
