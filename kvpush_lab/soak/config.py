@@ -26,13 +26,17 @@ from kvpush.transfer.digest import (
 from kvpush_lab.bench.config import BenchConfig, require
 from kvpush_lab.bench.lengths import LengthSpec
 
-# Measured on the 2-core development machine (shared, load average 3-4),
-# kvpush mode, 1 prefill + 1 decode, prompts 256-1024, 32 tokens, a fifth
-# aborted; TTFT p50 / p99 of completed requests over 60 s: 8 req/s 65 / 364
-# ms, 16: 70 / 269, 24: 123 / 365, 32: 228 / 437 ms (flat over the run at
-# every rate). 24 is past the knee with headroom left for a busy machine:
-# saturated, requests queue without bound and time out as "lost".
-DEFAULT_QPS = 24.0
+# A soak checks that nothing is lost or leaked under sustained load, so it
+# runs below the pair's capacity: past it, prefill's queue grows without
+# bound and requests time out as "lost" by construction, whatever the code.
+# Measured (2026-12-03, 2-core machine, quiet, kvpush 1P1D, default
+# granularity, prompts 256-1024, 32 tokens, a fifth aborted, at 32 req/s,
+# `kvpush soak --duration-s 60 --qps 32`): prefill computes 10.0-10.6k
+# prompt tokens/s (vLLM's log, 10 s windows) and its queue grows; with
+# a fifth aborted, mostly before prefill, that is about 20 req/s offered
+# (24 req/s, the default until then, lost requests from minute 7 of a
+# 600 s run). 16 req/s offers about 80% of it.
+DEFAULT_QPS = 16.0
 
 
 @dataclass(frozen=True)
