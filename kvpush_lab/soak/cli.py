@@ -75,7 +75,7 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--prefill", "num_prefill", int, "prefill instances of a P/D mode (1)"),
     ("--decode", "num_decode", int, "decode instances of a P/D mode (1)"),
     ("--duration-s", "duration_s", float, "seconds of arrivals (600)"),
-    ("--qps", "qps", float, "Poisson arrival rate, requests/s (16)"),
+    ("--qps", "qps", float, "Poisson arrival rate, requests/s (12)"),
     ("--prompt-len", "prompt_len", str, "prompt tokens, N or A-B (256-1024)"),
     ("--max-tokens", "max_tokens", int, "output tokens per request (32)"),
     ("--abort-fraction", "abort_fraction", float,

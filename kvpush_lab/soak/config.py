@@ -30,13 +30,19 @@ from kvpush_lab.bench.lengths import LengthSpec
 # runs below the pair's capacity: past it, prefill's queue grows without
 # bound and requests time out as "lost" by construction, whatever the code.
 # Measured (2026-12-03, 2-core machine, quiet, kvpush 1P1D, default
-# granularity, prompts 256-1024, 32 tokens, a fifth aborted, at 32 req/s,
-# `kvpush soak --duration-s 60 --qps 32`): prefill computes 10.0-10.6k
-# prompt tokens/s (vLLM's log, 10 s windows) and its queue grows; with
-# a fifth aborted, mostly before prefill, that is about 20 req/s offered
-# (24 req/s, the default until then, lost requests from minute 7 of a
-# 600 s run). 16 req/s offers about 80% of it.
-DEFAULT_QPS = 16.0
+# granularity, prompts 256-1024, 32 tokens, a fifth aborted):
+# - at 32 req/s, digests off (`kvpush soak --duration-s 60 --qps 32`),
+#   prefill computes 10.0-10.6k prompt tokens/s (vLLM's log, 10 s windows)
+#   and its queue grows: with a fifth aborted, mostly before prefill, about
+#   20 req/s offered. 24 req/s, the default until then, lost requests from
+#   minute 7 of a 600 s run;
+# - at 16 req/s with `--verify-kv all` (`make soak`; both sides hash every
+#   byte, prefill on the core it computes on), prefill's throughput fell
+#   to 7.4-9.5k tokens/s against about 8.3k needed: the run passed, but its
+#   queue rose to 156 requests in minutes 7-8 (TTFT p50 9 s there) before
+#   draining: at capacity.
+# 12 req/s offers about 75% of that.
+DEFAULT_QPS = 12.0
 
 
 @dataclass(frozen=True)
