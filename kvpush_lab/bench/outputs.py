@@ -18,7 +18,13 @@ from kvpush_lab.bench.records import REQUESTS_FILE, RequestRecord, read_records
 from kvpush_lab.bench.render import SECTIONS_DIR, render_all
 from kvpush_lab.bench.report import render_report
 from kvpush_lab.bench.report_endpoint import endpoint_of
-from kvpush_lab.bench.results import SectionResults, check_section_name, save_results
+from kvpush_lab.bench.results import (
+    RESULTS_FILE,
+    SectionResults,
+    check_section_name,
+    load_results,
+    save_results,
+)
 from kvpush_lab.bench.summary import BenchSummary
 from kvpush_lab.bench.timeline import Timeline, match_by_time, read_timelines
 
@@ -109,8 +115,13 @@ def publish(
 ) -> list[Path]:
     """Replace ``root/docs/bench/<section>/`` with this run's results.json
     and plots, then render ``root/BENCHMARKS.md`` and the sections' pages
-    again from every section's JSON."""
-    results = section_results(out_dir, summary, section, title)
+    again from every section's JSON. Without ``title``, a section published
+    before keeps its title (``make bench`` names none)."""
+    name = check_section_name(section or default_section(summary))
+    previous = root / SECTIONS_DIR / name
+    if title is None and (previous / RESULTS_FILE).exists():
+        title = load_results(previous).title
+    results = section_results(out_dir, summary, name, title)
     return publish_results(results, root, sorted(out_dir.glob("*.png")))
 
 

@@ -164,6 +164,19 @@ def test_the_summary_round_trips_and_renders_files(tmp_path: Path) -> None:
     assert len(published) == 7 and section / "README.md" in published
 
 
+def test_republishing_a_section_keeps_its_title(tmp_path: Path) -> None:
+    save_summary(summary(), tmp_path)
+    loaded = load_summary(tmp_path)
+    repo = tmp_path / "repo"
+    section = repo / "docs" / "bench" / "qps-sweep"
+    publish(tmp_path, loaded, repo, title="QPS sweep, 1P1D")
+    publish(tmp_path, loaded, repo)  # make bench: no --title
+
+    assert load_results(section).title == "QPS sweep, 1P1D"
+    publish(tmp_path, loaded, repo, title="Renamed")
+    assert load_results(section).title == "Renamed"
+
+
 def test_an_unreadable_summary_says_so(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no benchmark summary"):
         load_summary(tmp_path)
