@@ -184,6 +184,11 @@ def test_corrupted_kv_is_caught_and_recomputed(cluster, reference):
 def test_client_abort_at_each_phase_frees_both_sides(
     cluster, phase, i, fault, wait_event
 ):
+    # Counts reach /metrics with an engine step: step both instances first,
+    # so a count left by the test before (a Cancel prefill took while idle)
+    # is in ``before``, not in this test's delta.
+    for name in ("prefill0", "decode0"):
+        faults.nudge(cluster, name)
     before = faults.counters(cluster)
     faults.set_faults(cluster, **fault)
     _, path, body = prompt(i)
