@@ -40,6 +40,18 @@ PLUGIN = "kvpush"  # our entry point's name in vllm.general_plugins
 _KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
+def serves_prefill_legs(config: InstanceSettings, role: str) -> bool:
+    """An instance of ``role`` pushes (prefill legs): a prefill, or any
+    instance with ``kv_both``; its side channel listens."""
+    return role == "prefill" or config.kv_both
+
+
+def serves_decode_legs(config: InstanceSettings, role: str) -> bool:
+    """An instance of ``role`` receives (decode legs): a decode, or any
+    instance with ``kv_both``."""
+    return role == "decode" or config.kv_both
+
+
 @dataclass(frozen=True)
 class InstanceSpec:
     """One vLLM instance to start.
@@ -292,8 +304,8 @@ def kv_transfer_config(
 
 
 def _kvpush_extra(config: InstanceSettings, spec: InstanceSpec) -> dict[str, Any]:
-    pushes = spec.role == "prefill" or config.kv_both  # it serves prefill legs
-    receives = spec.role == "decode" or config.kv_both
+    pushes = serves_prefill_legs(config, spec.role)
+    receives = serves_decode_legs(config, spec.role)
     extra: dict[str, Any] = {
         "side_channel_host": spec.addresses.side_channel_bind_host,
         "side_channel_port": spec.side_channel_port,

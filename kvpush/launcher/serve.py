@@ -32,6 +32,7 @@ from kvpush.launcher.instances import (
     instance_env,
     instance_env_vars,
     rank_cores,
+    serves_prefill_legs,
 )
 from kvpush.launcher.platform import Platform
 from kvpush.side_channel_auth import SECRET_ENV
@@ -181,7 +182,7 @@ class ServeConfig:
         """Refuse, before anything starts, a kvpush prefill (or any
         ``kv_both`` instance: it serves prefill legs too) whose side channel
         would listen off loopback without a secret."""
-        if self.role == "prefill" or self.kv_both:
+        if serves_prefill_legs(self, self.role):
             check_secret(self, self.addresses.side_channel_bind_host)
 
 
