@@ -124,10 +124,9 @@ class ConnectorConfig:
     # --tensor-parallel-size, and this worker's rank (0 in EngineCore)
     tp_size: int = 1
     tp_rank: int = 0
-    # the model's KV heads over every rank (0: unknown: equal TP sizes only),
-    # and whether its cache is MLA's latent one (replicated on every rank)
+    # the model's KV heads over every rank (0: unknown: equal TP sizes only;
+    # 1 for MLA, whose one latent per token every rank holds whole)
     total_kv_heads: int = 0
-    use_mla: bool = False
     # KV digests: off | sample | all, and the fraction sample verifies
     verify_kv: str = DEFAULT_VERIFY_KV
     verify_kv_sample: float = DEFAULT_VERIFY_SAMPLE
@@ -288,7 +287,6 @@ class ConnectorConfig:
                 tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
                 tp_rank=tp_rank,
                 total_kv_heads=_total_kv_heads(vllm_config),
-                use_mla=_uses_mla(vllm_config),
                 verify_kv=str(extra.get("verify_kv", DEFAULT_VERIFY_KV)),
                 verify_kv_sample=_fraction(extra),
                 control_dir=_control_dir(extra),
@@ -335,15 +333,17 @@ def check_control_dir(path: str) -> None:
 
 def _total_kv_heads(vllm_config: Any) -> int:
     """The model's KV heads over every TP rank (vLLM's
-    ``ModelConfig.get_total_num_kv_heads``; 0 when the config has none)."""
+    ``ModelConfig.get_total_num_kv_heads``; 0 when the config has none).
+
+    MLA (``ModelConfig.use_mla``) caches one latent per token and layer, not
+    per head, and every TP rank holds all of it: to the TP mapping that is one
+    KV head, replicated on every rank, so each decode rank is written once, by
+    one prefill rank (:mod:`kvpush.transfer.heads`)."""
     model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "use_mla", False) is True:
+        return 1
     total = getattr(model, "get_total_num_kv_heads", None)
     return int(total()) if callable(total) else 0
-
-
-def _uses_mla(vllm_config: Any) -> bool:
-    """vLLM's ``ModelConfig.use_mla`` (False when the config has none)."""
-    return getattr(getattr(vllm_config, "model_config", None), "use_mla", 0) is True
 
 
 def check_nixl_backend(name: str) -> None:

@@ -39,6 +39,15 @@ Accepted, and why the copy is right:
   byte; the scales are model constants, the same on both sides).
 - The ``LBHNC`` layout (:data:`REQUIRED_KV_CACHE_LAYOUT`, vLLM's "HND"): each
   block is one contiguous ``[heads, tokens, K|V]`` chunk.
+- MLA (``MLAAttentionSpec``: DeepSeek-V2/V3, Kimi-K2): one group whose cache
+  holds one latent (``kv_lora_rank + qk_rope_head_dim`` values) per token
+  and layer, every TP rank holding all of it. That is a one-head cache, so
+  any token order is the same bytes (the layout check is skipped), and the
+  TP mapping treats it as one KV head replicated on every rank: any pair of
+  TP sizes maps, each decode rank written whole by one prefill rank
+  (``total_kv_heads`` 1, :mod:`kvpush.connector.config`). Sparse or aligned
+  MLA caches (DeepSeek-V3.2/V4's indexer, ``model_version`` set) and packed
+  formats (``fp8_ds_mla``, refused by its cache dtype) are not mapped.
 
 Refused: anything else, with a message naming the setting and what to change.
 """
@@ -176,6 +185,8 @@ def _layout_problems(cache_config: Any, kv_cache_config: Any) -> list[str]:
     )
     if name is None:  # not resolved yet: layout_of checks the tensors
         return []
+    if _is_latent(kv_cache_config):  # one head: HND and NHD are the same bytes
+        return []
     if _LAYOUT_ALIASES.get(name, name) == REQUIRED_KV_CACHE_LAYOUT:
         return []
     return [
@@ -261,18 +272,25 @@ def _groups_problem(specs: list[Any]) -> str:
     return f"{head}; {reason}"
 
 
+def _is_latent(kv_cache_config: Any) -> bool:
+    """The instance's one KV-cache group is MLA's latent cache."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return len(groups) == 1 and isinstance(groups[0].kv_cache_spec, MLAAttentionSpec)
+
+
 def _refused_kind(spec: Any) -> str | None:
     """Why layers of this spec cannot be copied block for block, naming the
     model family, or None."""
     name = f"{type(spec).__name__} layers: "
     if isinstance(spec, MLAAttentionSpec):
-        return name + (
-            "multi-head latent attention (MLA: DeepSeek-V2/V3 or Kimi-K2-style "
-            "models) keeps one compressed latent per token and layer, shared by "
-            "every head and TP rank and often in a packed fp8 format; kvpush "
-            "does not map MLA caches yet, serve a model with standard (GQA or "
-            "MHA) attention"
-        )
+        if spec.model_version is not None or spec.alignment is not None:
+            return name + (
+                f"sparse or aligned MLA caches (model_version "
+                f"{spec.model_version!r}, alignment {spec.alignment}: "
+                "DeepSeek-V3.2/V4-style indexer caches) are not mapped by kvpush; "
+                "serve a model with plain MLA (DeepSeek-V2/V3, Kimi-K2) or GQA"
+            )
+        return None  # one latent "head" per token, copied whole (see module doc)
     if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
         return name + (
             "sliding-window or chunked local attention (Gemma 2/3, gpt-oss, "
@@ -292,7 +310,7 @@ def _refused_kind(spec: Any) -> str | None:
         )
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return name + "layers with different KV shapes are not mapped by kvpush"
-    if type(spec) is not FullAttentionSpec:
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
         return (
             name + "only plain full attention (FullAttentionSpec) is mapped by kvpush"
         )

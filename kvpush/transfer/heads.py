@@ -23,7 +23,9 @@ Bytes: in vLLM's LBHNC layout a block of one region is ``[heads][tokens]
 ``h0 * head_bytes`` of ``(h1 - h0) * head_bytes``, ``head_bytes`` being
 ``block_bytes`` over that rank's heads. :class:`KvLayout` does not record the
 interior order; the caller names it to :func:`head_split_problem`, which
-refuses layouts (NHD-style, MLA) whose heads cannot be split so.
+refuses layouts (NHD-style) whose heads cannot be split so. MLA's latent
+cache is one "head" every rank holds whole (``total_kv_heads`` 1), so its
+pairs copy whole blocks and never split.
 """
 
 from __future__ import annotations
@@ -209,9 +211,7 @@ class TpMapping:
         return out
 
 
-def head_split_problem(
-    mapping: TpMapping, cache_layout: str, *, use_mla: bool = False
-) -> str | None:
+def head_split_problem(mapping: TpMapping, cache_layout: str) -> str | None:
     """Why KV cannot be pushed under ``mapping``, or ``None`` when it can.
 
     ``cache_layout`` names the interior order of a block of one region
@@ -219,12 +219,6 @@ def head_split_problem(
     :mod:`kvpush.connector.kv_memory`); pass ``"LBHNC"`` only where heads are
     outermost in each region's block. Called once at start-up and per Hello.
     Whole-block mappings need no split, so only heterogeneous ones fail."""
-    if use_mla and not mapping.is_homogeneous:
-        return (
-            "MLA's latent KV cache is replicated on every rank, not split by "
-            "head; kvpush maps different prefill and decode TP sizes only for "
-            "per-head caches: use equal TP sizes"
-        )
     if mapping.splits_heads and cache_layout not in HEAD_SEPARABLE_LAYOUTS:
         return (
             f"KV cache layout {cache_layout!r} interleaves heads inside each "

@@ -66,10 +66,10 @@ class TpPair:
     def is_homogeneous(self) -> bool:
         return self.prefill_tp == self.decode_tp
 
-    def problem(self, cache_layout: str = "LBHNC", use_mla: bool = False) -> str | None:
+    def problem(self, cache_layout: str = "LBHNC") -> str | None:
         """Why kvpush cannot transfer between these sizes (KV heads that
         divide neither way, a layout whose heads are not one range per
-        block, MLA across sizes), or None."""
+        block), or None."""
         if self.is_homogeneous:
             return None
         if not self.total_kv_heads:
@@ -81,7 +81,7 @@ class TpPair:
             mapping = self.mapping
         except ValueError as e:
             return str(e)
-        return head_split_problem(mapping, cache_layout, use_mla=use_mla)
+        return head_split_problem(mapping, cache_layout)
 
     @cached_property
     def mapping(self) -> TpMapping:

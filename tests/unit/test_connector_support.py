@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.support import (
     REQUIRED_KV_CACHE_LAYOUT,
     UnsupportedConfig,
@@ -232,7 +233,8 @@ def test_a_host_resident_group_is_refused():
     ("spec", "reason"),
     [
         (MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576,
-                          dtype=torch.bfloat16), "MLA caches"),
+                          dtype=torch.bfloat16, model_version="deepseek_v4"),
+         "sparse or aligned MLA caches"),
         (SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64,
                            dtype=torch.bfloat16, sliding_window=1024),
          "free the blocks outside their window"),
@@ -267,3 +269,42 @@ def test_a_cache_block_size_other_than_the_setting_is_refused():
 def test_padded_pages_are_refused():
     kv = kv_config(full_spec(page_size_padded=BS * 2 * 128 * 2 + 4096))
     assert "padded or packed pages" in refusal(vllm_config(), kv)
+
+
+def mla_spec(**kw: Any) -> MLAAttentionSpec:
+    return MLAAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, **kw
+    )
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_mla_latent_caches_are_accepted_in_either_token_order(layout: str):
+    # One latent "head" per token: [heads][tokens] and [tokens][heads] are
+    # the same bytes, so the order the MLA backend chose does not matter.
+    kv = kv_config(mla_spec(), layout=layout)
+    assert check_supported(vllm_config(layout=layout), kv) is None
+    # ... while a per-head cache in LBNHC stays refused.
+    assert "KV cache layout LBNHC" in refusal(
+        vllm_config(layout="LBNHC"), kv_config(full_spec(), layout="LBNHC")
+    )
+
+
+def test_a_packed_mla_format_is_refused_by_its_cache_dtype():
+    message = refusal(vllm_config(cache_dtype="fp8_ds_mla"), kv_config(mla_spec()))
+    assert "--kv-cache-dtype fp8_ds_mla" in message
+
+
+@pytest.mark.parametrize(("use_mla", "heads"), [(True, 1), (False, 8)])
+def test_the_tp_mapping_counts_an_mla_latent_as_one_kv_head(use_mla: bool, heads):
+    extra = {"side_channel_port": 5600}
+    kv = SimpleNamespace(
+        kv_role="kv_producer", engine_id="p0", kv_connector_extra_config=extra
+    )
+    config = SimpleNamespace(
+        kv_transfer_config=kv,
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2),
+        model_config=SimpleNamespace(use_mla=use_mla, get_total_num_kv_heads=lambda: 8),
+        instance_id="i",
+    )
+    assert ConnectorConfig.from_vllm(config).total_kv_heads == heads

@@ -97,8 +97,21 @@ def test_different_tp_sizes_need_the_heads_and_sizes_that_divide_them():
     assert TpPair(2, 1, total_kv_heads=2).problem() is None
     assert "must divide" in (TpPair(3, 2, total_kv_heads=4).problem() or "")
     assert "NHD-style" in (TpPair(1, 2, 2).problem("LBNHC") or "")
-    assert "MLA" in (TpPair(1, 2, 2).problem(use_mla=True) or "")
-    assert TpPair(2, 2, 2).problem(use_mla=True) is None
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_mla_latent_is_written_to_each_decode_rank_once_and_whole(
+    prefill_tp: int, decode_tp: int
+):
+    # MLA is one KV "head" (connector config: total_kv_heads 1) that every
+    # rank holds whole: any pair of TP sizes maps, with no head split.
+    pair = TpPair(prefill_tp, decode_tp, total_kv_heads=1)
+    assert pair.problem("LBNHC") is None
+    writes = [s for p in range(prefill_tp) for s in pair.targets_of(p)]
+    assert sorted(s.dst_rank for s in writes) == list(range(decode_tp))
+    assert all(s.is_whole_block for s in writes)
+    for d in range(decode_tp):
+        assert pair.sources_of(d) == {d % prefill_tp}
 
 
 def test_a_hello_names_its_rank_below_its_tp_size():

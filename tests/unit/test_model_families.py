@@ -302,14 +302,17 @@ def test_moe_is_one_full_attention_group_that_kvpush_serves(hf_configs):
 
 
 @pytest.mark.parametrize("hma", [True, False])
-def test_mla_is_one_latent_group_that_kvpush_refuses_by_name(hma: bool, hf_configs):
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_mla_is_one_latent_group_that_kvpush_serves(hma: bool, layout: str, hf_configs):
+    # The CPU MLA backend resolves LBNHC ("NHD"): with one latent "head" per
+    # token both orders are the same bytes, so the layout check lets it pass.
     kv = vllm_groups("mla", hf_configs["mla"], hma)
     assert kinds(kv) == ["MLAAttentionSpec"]
     spec = kv.kv_cache_groups[0].kv_cache_spec
     assert (spec.num_kv_heads, spec.head_size, spec.block_size) == (1, 576, 16)
-    message = refusal("mla", hf_configs["mla"], hma)
-    assert "MLAAttentionSpec layers: multi-head latent attention" in message
-    assert "DeepSeek-V2/V3" in message
+    config = _vllm_config(spec.block_size, hma)
+    config.cache_config.kv_cache_layout = layout
+    assert check_supported(config, kv) is None
 
 
 def test_swa_with_the_hybrid_manager_has_a_group_and_block_table_per_window(

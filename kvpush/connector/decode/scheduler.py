@@ -135,7 +135,7 @@ class DecodeScheduler:
         size (:meth:`TpPair.problem`), or None."""
         c = self.config
         pair = TpPair(leg.prefill_tp, c.tp_size, c.total_kv_heads)
-        return pair.problem(REQUIRED_KV_CACHE_LAYOUT, c.use_mla)
+        return pair.problem(REQUIRED_KV_CACHE_LAYOUT)
 
     def _sibling(self, rid: str, first: str, leg: DecodeLeg) -> int | None:
         """None while ``first``'s receive is pending (within the wait's

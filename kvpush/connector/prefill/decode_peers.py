@@ -124,7 +124,7 @@ class DecodePeers:
 
 
 def hello_slice(
-    hello: Hello, tp_size: int, rank: int, total_kv_heads: int, use_mla: bool
+    hello: Hello, tp_size: int, rank: int, total_kv_heads: int
 ) -> tuple[str | None, HeadSlice | None]:
     """What prefill rank ``rank`` of ``tp_size`` writes to the decode rank
     that said ``hello`` (:class:`~kvpush.transfer.ranks.TpPair`), or why it
@@ -137,7 +137,7 @@ def hello_slice(
             None,
         )
     pair = TpPair(tp_size, hello.tp_size, mine if mine == theirs else 0)
-    problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT, use_mla)
+    problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT)
     if problem is not None:
         return problem, None
     for head_slice in pair.targets_of(rank):

@@ -113,7 +113,6 @@ class WriterConfig:
     tp_size: int = 1  # this prefill instance's --tensor-parallel-size
     rank: int = 0  # this worker's TP rank (its side channel: base port + rank)
     total_kv_heads: int = 0  # the model's, over every rank (0: not known)
-    use_mla: bool = False  # MLA's latent cache: equal TP sizes only
     verify: VerifyPolicy = VERIFY_OFF  # which transfers' Done carry a digest
 
     def __post_init__(self) -> None:
@@ -155,7 +154,7 @@ class Pipeline:
         self._matcher = Matcher(config.matcher)
         self._peers = DecodePeers(config.peer_timeout_s)
         self._tp_size, self._rank = config.tp_size, config.rank
-        self._total_kv_heads, self._use_mla = config.total_kv_heads, config.use_mla
+        self._total_kv_heads = config.total_kv_heads
         self._transfers: dict[str, Transfer] = {}  # the one table
         self._orphans = Orphans()  # ended before their last chunk came
         self._idle: OrderedDict[str, None] = OrderedDict()  # nothing to write
@@ -308,7 +307,7 @@ class Pipeline:
     def _registration(self, route: bytes, reg: Registration, now: float) -> None:
         tid, engine = reg.transfer_id, reg.decode_engine_id
         pair = self._pair(reg.decode_tp)
-        tp_problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT, self._use_mla)
+        tp_problem = pair.problem(REQUIRED_KV_CACHE_LAYOUT)
         problem = tp_problem or self._peers.range_problem(reg)
         if problem is None and not pair.targets_of(self._rank):
             self._idle_registration(tid, now)
@@ -467,7 +466,7 @@ class Pipeline:
         if known is not None and known.boot_id != hello.boot_id:
             self._forget(hello.engine_id, "decode restarted", now, hello.boot_id)
         problem, head_slice = hello_slice(
-            hello, self._tp_size, self._rank, self._total_kv_heads, self._use_mla
+            hello, self._tp_size, self._rank, self._total_kv_heads
         )
         if head_slice is not None:
             problem = self._peers.accept(

@@ -90,7 +90,6 @@ class PrefillWorker:
             tp_size=self.config.tp_size,
             rank=self.config.tp_rank,
             total_kv_heads=self.config.total_kv_heads,
-            use_mla=self.config.use_mla,
             verify=self.config.verify,
         )
         self._writer = Writer(
