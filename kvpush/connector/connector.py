@@ -61,7 +61,11 @@ from kvpush.connector.metadata import (
 from kvpush.connector.prefill.scheduler import PrefillScheduler
 from kvpush.connector.prefill.worker import PrefillWorker
 from kvpush.connector.stats import KvPushPromMetrics, KvPushStats, take_stats
-from kvpush.connector.support import REQUIRED_KV_CACHE_LAYOUT, check_supported
+from kvpush.connector.support import (
+    REQUIRED_KV_CACHE_LAYOUT,
+    check_model,
+    check_supported,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
@@ -112,7 +116,12 @@ class KvPushConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """Ask vLLM for the one layout kvpush maps (each block contiguous);
-        a backend that cannot provide it is refused at start-up."""
+        a backend that cannot provide it is refused at start-up. vLLM asks
+        while the workers set up attention, before it groups the KV-cache
+        layers, so this is also where a model vLLM would stop on before any
+        connector exists is refused with kvpush's reason
+        (:func:`~kvpush.connector.support.check_model`)."""
+        check_model(vllm_config)
         return REQUIRED_KV_CACHE_LAYOUT
 
     # -- scheduler side (EngineCore) ---------------------------------------

@@ -109,6 +109,21 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         )
 
 
+def check_model(vllm_config: Any) -> None:
+    """Refuse, before vLLM groups the KV-cache layers, a model whose layers
+    kvpush cannot copy and that vLLM would stop on first with a message
+    that does not say why: a hybrid model with Mamba-style state layers
+    (vLLM needs a connector with ``SupportsHMA`` for them and otherwise
+    fails with "Failed to promote local KV cache specs to one unified
+    type")."""
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "is_hybrid", False) is True:
+        raise UnsupportedConfig(
+            "kvpush cannot serve this vLLM configuration:\n- model "
+            f"{getattr(model, 'model', '?')}: {_MAMBA_REASON}"
+        )
+
+
 def kv_element_size(cache_dtype: str, model_dtype: torch.dtype) -> int:
     """Bytes per element of a KV cache stored as ``--kv-cache-dtype
     cache_dtype`` ("auto": the model's dtype); :class:`UnsupportedConfig` for
@@ -278,6 +293,14 @@ def _is_latent(kv_cache_config: Any) -> bool:
     return len(groups) == 1 and isinstance(groups[0].kv_cache_spec, MLAAttentionSpec)
 
 
+_MAMBA_REASON = (
+    "state caches of Mamba, Mamba2 or gated-delta-net layers (hybrid "
+    "models such as Nemotron-H, Qwen3-Next, Jamba or Granite 4) hold "
+    "one conv and SSM state per request, not per-token blocks; kvpush "
+    "does not copy them yet, serve a model without them"
+)
+
+
 def _refused_kind(spec: Any) -> str | None:
     """Why layers of this spec cannot be copied block for block, naming the
     model family, or None."""
@@ -302,12 +325,7 @@ def _refused_kind(spec: Any) -> str | None:
             "windowed is not"
         )
     if isinstance(spec, MambaSpec):
-        return name + (
-            "state caches of Mamba, Mamba2 or gated-delta-net layers (hybrid "
-            "models such as Nemotron-H, Qwen3-Next, Jamba or Granite 4) hold "
-            "one conv and SSM state per request, not per-token blocks; kvpush "
-            "does not copy them yet, serve a model without them"
-        )
+        return name + _MAMBA_REASON
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return name + "layers with different KV shapes are not mapped by kvpush"
     if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):

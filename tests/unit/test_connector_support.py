@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.connector import KvPushConnector
 from kvpush.connector.support import (
     REQUIRED_KV_CACHE_LAYOUT,
     UnsupportedConfig,
@@ -308,3 +309,13 @@ def test_the_tp_mapping_counts_an_mla_latent_as_one_kv_head(use_mla: bool, heads
         instance_id="i",
     )
     assert ConnectorConfig.from_vllm(config).total_kv_heads == heads
+
+
+def test_a_hybrid_state_model_is_refused_before_vllm_groups_its_layers():
+    # vLLM asks the connector class for its layout while the workers set up
+    # attention, before it would fail grouping Mamba layers without HMA.
+    hybrid = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=True, model="nh"))
+    with pytest.raises(UnsupportedConfig, match="model nh: state caches of Mamba"):
+        KvPushConnector.get_required_kvcache_layout(hybrid)
+    plain = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=False, model="q"))
+    assert KvPushConnector.get_required_kvcache_layout(plain) == "LBHNC"
