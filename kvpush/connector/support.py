@@ -103,6 +103,10 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         *_layout_problems(vllm_config.cache_config, kv_cache_config),
         *_group_problems(vllm_config, kv_cache_config),
     ]
+    _refuse(problems)
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise UnsupportedConfig(
             "kvpush cannot serve this vLLM configuration:\n- " + "\n- ".join(problems)
@@ -118,10 +122,7 @@ def check_model(vllm_config: Any) -> None:
     type")."""
     model = getattr(vllm_config, "model_config", None)
     if getattr(model, "is_hybrid", False) is True:
-        raise UnsupportedConfig(
-            "kvpush cannot serve this vLLM configuration:\n- model "
-            f"{getattr(model, 'model', '?')}: {_MAMBA_REASON}"
-        )
+        _refuse([f"model {getattr(model, 'model', '?')}: {_MAMBA_REASON}"])
 
 
 def kv_element_size(cache_dtype: str, model_dtype: torch.dtype) -> int:
@@ -313,7 +314,8 @@ def _refused_kind(spec: Any) -> str | None:
                 "DeepSeek-V3.2/V4-style indexer caches) are not mapped by kvpush; "
                 "serve a model with plain MLA (DeepSeek-V2/V3, Kimi-K2) or GQA"
             )
-        return None  # one latent "head" per token, copied whole (see module doc)
+        if type(spec) is MLAAttentionSpec:
+            return None  # one latent "head" per token, copied whole (module doc)
     if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
         return name + (
             "sliding-window or chunked local attention (Gemma 2/3, gpt-oss, "
@@ -328,8 +330,9 @@ def _refused_kind(spec: Any) -> str | None:
         return name + _MAMBA_REASON
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return name + "layers with different KV shapes are not mapped by kvpush"
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        return (
-            name + "only plain full attention (FullAttentionSpec) is mapped by kvpush"
+    if type(spec) is not FullAttentionSpec:
+        return name + (
+            "only plain full attention (FullAttentionSpec) or MLA "
+            "(MLAAttentionSpec) is mapped by kvpush"
         )
     return None

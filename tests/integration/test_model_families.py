@@ -18,7 +18,6 @@ under concurrency every receive must arrive whole and pass its digest.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -133,10 +132,6 @@ def _all_served(
 ) -> None:
     """Every request answered; that its KV arrived whole, pushed and
     digest-verified, is checked after them (``test_no_blocks_held_after_the_run``)."""
-    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-        replies = dict(
-            zip(requests, pool.map(lambda r: workload.send(cluster.url, *r),
-                                   requests.values()), strict=True)
-        )  # fmt: skip
+    replies = workload.run_concurrent(cluster.url, requests)
     bad = {n: r.status for n, r in replies.items() if r.status != 200 or not r.text}
     assert bad == {}
