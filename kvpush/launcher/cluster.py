@@ -8,6 +8,7 @@ the saved state names.
 
 from __future__ import annotations
 
+import http.client
 import os
 import secrets
 import socket
@@ -274,11 +275,14 @@ def _failure(rec: ProcessRecord, what: str) -> str:
 
 def _healthy(url: str, path: str) -> bool:
     """Whether ``url`` answers 200 on ``path`` (an instance's ``/health``,
-    the router's readiness, ``/ready``: it routes every role)."""
+    the router's readiness, ``/ready``: it routes every role). Anything that
+    is not an HTTP answer is "not yet": before the server listens, a poll of
+    a port in the kernel's ephemeral range can connect to itself and read
+    back its own request."""
     try:
         with urllib.request.urlopen(f"{url}{path}", timeout=2.0) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
         return False
 
 

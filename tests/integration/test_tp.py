@@ -91,9 +91,10 @@ def test_kill_one_prefill_rank_during_its_transfer(tp_fault_cluster, reference):
     """Prefill TP 2 / decode TP 1: both ranks have the request's KV and hold
     their WRITEs (fault file); kill -9 rank 1's worker. Decode must not wait
     for the dead rank's Done: it fails the receive and answers by local
-    recompute (or the router answers a clear error), within the deadline,
-    and holds no blocks afterwards. vLLM then takes the whole prefill engine
-    down; a restarted prefill pushes again."""
+    recompute (or the router answers a clear error and decode's receive ends
+    aborted), within the deadline, and holds no blocks afterwards. vLLM
+    then takes the whole prefill engine down; a restarted prefill pushes
+    again."""
     cluster = tp_fault_cluster
     name = "concurrent-26"
     path, body = workload.CONCURRENT[name]
@@ -117,16 +118,23 @@ def test_kill_one_prefill_rank_during_its_transfer(tp_fault_cluster, reference):
     else:
         faults.assert_clear_error(reply)
 
-    def receive_failures() -> int:
+    def receive_ended() -> bool:
+        """A 200 was recomputed by decode: its receive failed. An error ended
+        the attempt and aborted decode's leg first (vLLM answered the prefill
+        leg 500 as its engine died, rather than dropping the connection): the
+        receive then ends aborted, once both ranks are proven gone, unless
+        decode failed it before the abort."""
         now, then = faults.counters(cluster)["decode0"], before["decode0"]
-        return sum(
-            v - then[k] for k, v in now.items() if k.startswith("receive_failed.")
-        )
+        grown = {k: v - then[k] for k, v in now.items() if v > then[k]}
+        failed = any(k.startswith("receive_failed.") for k in grown)
+        if failed or (reply.status != 200 and "aborted.released" in grown):
+            return True
+        # counts reach /metrics with decode's next step; after an abort
+        # decode is idle, so make it step
+        faults.nudge(cluster, "decode0")
+        return False
 
-    # counts reach /metrics with decode's next step: wait for it
-    assert wait_for(lambda: receive_failures() >= 1, 10.0, step_s=0.5), (
-        "decode never failed the receive"
-    )
+    assert wait_for(receive_ended, 10.0, step_s=0.5), "decode never ended the receive"
     decode_url = cluster.instance_url("decode0")
     held = wait_for(lambda: not workload.kv_cache_usage(decode_url), 30.0, step_s=0.5)
     assert held, "decode still holds KV blocks after the rank died"

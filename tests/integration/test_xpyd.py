@@ -37,8 +37,10 @@ from tests.integration.conftest import Cluster
 
 pytestmark = pytest.mark.integration
 
-PORT = 38000  # the launcher's router; instances 38100+, side channels 38200+
-SKIP_PORT, AUTO_PORT, LATE_PORT = 38010, 38011, 38012
+# Below the kernel's ephemeral range (32768+): a start-up poll there can
+# connect to itself before the server listens.
+PORT = 17000  # the launcher's router; instances 17100+, side channels 17200+
+SKIP_PORT, AUTO_PORT, LATE_PORT = 17010, 17011, 17012
 SHAPE_NAMES = ("completion-short", "completion-long", "chat-stream", "chat")
 PREFILLS, DECODES = ("prefill0", "prefill1"), ("decode0", "decode1")
 # A prefill leg whose decode died may finish first; prefill then holds its

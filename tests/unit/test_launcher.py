@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from kvpush.cli import _parser, up_config
 from kvpush.connector.connector import KvPushConnector
 from kvpush.launcher import process
+from kvpush.launcher.cluster import _healthy
 from kvpush.launcher.config import ClusterConfig, load_config_file, make_config
 from kvpush.launcher.instances import kv_transfer_config, plan_instances
 
@@ -192,3 +195,26 @@ def test_kv_both_is_for_kvpush_mode_and_reaches_up_and_serve() -> None:
     assert not up_config(_parser().parse_args(["up", "--mode", "kvpush"])).kv_both
     serve = ["serve", "--role", "decode", "--mode", "kvpush", "--kv-both"]
     assert serve_config(_parser().parse_args(serve)).kv_both
+
+
+def test_a_poll_that_reads_no_http_answer_is_not_ready() -> None:
+    """Before an instance listens, polling a port in the ephemeral range can
+    connect the socket to itself: it reads its own request back as the
+    status line. Start-up must keep waiting, not crash (CI, stop 32)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+
+    def echo_the_request() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))
+
+    thread = threading.Thread(target=echo_the_request, daemon=True)
+    thread.start()
+    try:
+        assert not _healthy(f"http://127.0.0.1:{port}", "/health")
+    finally:
+        thread.join(timeout=5.0)
+        server.close()
