@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "long: real-cluster suites kept out of CI for time (test_restarts.py, "
-        "the moe and swa presets in test_model_families.py); "
+        "the moe and swa presets, TP 2 to 2, the chunk granularity); "
         "deselect with -m 'not long'",
     )
 

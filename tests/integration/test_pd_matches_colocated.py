@@ -152,10 +152,13 @@ class TestKvPushWholeRequest(TestKvPush, KvBothChecks):
     }
 
 
+@pytest.mark.long
 class TestKvPushStreamed(TestKvPush):
     """kvpush's connector streaming per prefill chunk
     (``--push-granularity chunk``): each 256-token chunk's two 128-token
-    blocks are pushed as that chunk's forward ends."""
+    blocks are pushed as that chunk's forward ends. Long (not CI): on the
+    tiny model :class:`TestKvPush`'s ``auto`` takes this same path for every
+    chunk, with the per-layer hooks on besides."""
 
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,

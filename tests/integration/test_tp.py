@@ -55,10 +55,12 @@ class TestKvPushPrefillTp1DecodeTp2(PDChecks):
     }
 
 
+@pytest.mark.long
 class TestKvPushPrefillTp2DecodeTp2(PDChecks):
     """Homogeneous TP: prefill rank i writes decode rank i (4 ranks on the
     2 cores: each instance's two ranks share its core, see
-    docs/tensor-parallel-cpu.md)."""
+    docs/tensor-parallel-cpu.md). Long (not CI): each rank's slice is the
+    plainest case of the two mixed pairs above, which CI runs."""
 
     mode = "kvpush"
     cluster_options: ClassVar[dict[str, Any]] = {

@@ -140,7 +140,11 @@ def test_a_routers_transfer_id_with_prefills_claim_prefix_is_refused() -> None:
     assert tid not in str(info.value), "a claim is never logged"
 
 
-@pytest.mark.parametrize("tid", [uuid.uuid4().hex, str(uuid.uuid4()), "x" * 128])
+@pytest.mark.parametrize(
+    "tid",
+    [uuid.uuid4().hex, str(uuid.uuid4()), "x" * 128],
+    ids=["uuid-hex", "uuid", "128-chars"],
+)
 def test_a_routers_transfer_id_is_the_claim(tid: str) -> None:
     parsed = parse({**VLLM_PREFILL, "transfer_id": tid})
 

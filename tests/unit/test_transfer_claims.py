@@ -162,7 +162,7 @@ def test_registration_before_a_late_ready_kv_also_matches(m: Matcher) -> None:
     assert isinstance(m.add_ready(late(), 1.0), Matched)
 
 
-@pytest.mark.parametrize("token", [OTHER_TOKEN, None])
+@pytest.mark.parametrize("token", [OTHER_TOKEN, None], ids=["wrong", "missing"])
 def test_a_wrong_or_missing_token_closes_a_late_transfer(
     m: Matcher, token: str | None
 ) -> None:

@@ -47,7 +47,8 @@ DECODE, BOOT, ROUTE = "bench-d0", "boot-0", b"bench-route"
 
 class _StuckNixl:
     """Stands in for :class:`~kvpush.connector.nixl_io.NixlIO`: loads any
-    peer, accepts every WRITE and reports it in flight until released."""
+    peer, accepts every WRITE and reports it in flight until :meth:`finish`
+    (then done, so that closing the writer need not wait out its drain)."""
 
     mem_type = "DRAM"
 
@@ -55,6 +56,11 @@ class _StuckNixl:
         self.name, self.layout = name, kv_layout
         self.metadata = b"bench:" + name.encode()
         self.num_writes = self.num_polls = 0  # written by the writer thread
+        self._finished = threading.Event()
+
+    def finish(self) -> None:
+        """Every WRITE posted so far, or later, is done."""
+        self._finished.set()
 
     def load_peer(self, agent_name: str, metadata: bytes) -> str:
         return agent_name
@@ -65,7 +71,7 @@ class _StuckNixl:
 
     def state(self, handle: Any) -> XferState:
         self.num_polls += 1
-        return XferState.PROC
+        return XferState.DONE if self._finished.is_set() else XferState.PROC
 
     def release(self, handle: Any) -> bool:
         return True
@@ -152,6 +158,7 @@ def _measure(
         clock = time.pthread_getcpuclockid(thread.ident or 0)
         windows = [_window(clock, io, window_s) for _ in range(num_windows)]
     finally:
+        io.finish()
         writer.close()
     percent = Spread.of([w[0] for w in windows])
     polls = Spread.of([w[1] for w in windows])
