@@ -133,10 +133,8 @@ def is_decode_leg(params: Any) -> bool:
         return False
     if "role" in params:
         return params["role"] == "decode"
-    return (
-        params.get("do_remote_prefill") is True
-        and params.get("do_remote_decode") is not True
-    )
+    is_prefill, is_decode = vllm_params.legs_asked(params)
+    return is_decode and not is_prefill
 
 
 def _translate(params: Any) -> PrefillLeg | DecodeLeg | VllmPrefill:

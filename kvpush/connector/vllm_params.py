@@ -138,13 +138,22 @@ class VllmPrefill:
         return answer
 
 
+def legs_asked(params: Mapping[str, Any]) -> tuple[bool, bool]:
+    """Whether a vLLM P/D dict asks for (a prefill leg, a decode leg):
+    ``do_remote_decode``, ``do_remote_prefill`` true. A valid one asks for
+    exactly one."""
+    return (
+        params.get("do_remote_decode") is True,
+        params.get("do_remote_prefill") is True,
+    )
+
+
 def parse(
     params: Mapping[str, Any], draw: Callable[[], str] = new_claim
 ) -> VllmPrefill | DecodeLeg:
     """The leg a vLLM P/D dict asks for (``draw`` makes a prefill leg's
     claim when the router set none); ``ValueError`` says what is wrong."""
-    is_prefill = params.get("do_remote_decode") is True
-    is_decode = params.get("do_remote_prefill") is True
+    is_prefill, is_decode = legs_asked(params)
     if is_prefill == is_decode:
         raise _invalid(
             "exactly one of do_remote_decode (prefill leg) and "
