@@ -32,7 +32,8 @@ vpy="$work/venv/bin/python"
 # Nothing of the connector's stack came with it.
 "$vpy" - <<'EOF'
 import importlib.util
-present = [m for m in ("torch", "vllm", "nixl", "zmq", "transformers")
+present = [m for m in ("torch", "vllm", "nixl", "nixl_cu12", "nixl_cu13", "zmq",
+                     "transformers")
            if importlib.util.find_spec(m) is not None]
 assert not present, f"the base install brought {present}"
 import kvpush.router.app  # noqa: F401
