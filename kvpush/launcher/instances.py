@@ -19,6 +19,7 @@ from typing import Any
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
 from kvpush.launcher.netns import NetPlan
 from kvpush.launcher.platform import Platform
+from kvpush.model.kv_size import is_mla
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
 
@@ -369,7 +370,23 @@ def instance_command(
     kv_config = kv_transfer_config(config, spec)
     if kv_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-    return cmd + list(config.extra_vllm_args)
+    return cmd + _attention_backend_args(config, model) + list(config.extra_vllm_args)
+
+
+def _attention_backend_args(config: InstanceSettings, model: Path) -> list[str]:
+    """On CPU, an MLA model in float32 runs vLLM's reference MLA backend.
+    Where the CPU has AMX, vLLM prefers its AMX MLA backend, which loads only
+    bfloat16 or float16 weights: in float32 the engine dies at start-up
+    ("expect weight to be bfloat16, float16, ..."). A backend chosen in
+    ``extra_vllm_args`` stays."""
+    dtype = config.dtype or config.platform.default_dtype
+    chosen = any(
+        a.startswith(("--attention-backend", "--attention-config"))
+        for a in config.extra_vllm_args
+    )
+    if config.platform != Platform.CPU or dtype != "float32" or chosen:
+        return []
+    return ["--attention-backend", "CPU_MLA"] if is_mla(model) else []
 
 
 def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str, str]:

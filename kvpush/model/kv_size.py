@@ -30,6 +30,17 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     return values * _ELEMENT_BYTES[dtype]
 
 
+def is_mla(model_dir: Path) -> bool:
+    """The model in ``model_dir`` keeps MLA latents (its config.json names a
+    ``kv_lora_rank``); False when there is no readable config."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") or config
+    return bool(text.get("kv_lora_rank"))
+
+
 def _values_per_token(config: dict[str, Any]) -> int:
     blocks = config.get("layers_block_type")  # Nemotron-H: no num_hidden_layers
     if blocks:

@@ -430,3 +430,30 @@ def test_the_report_says_where_the_clusters_ran() -> None:
     line = clusters_line({"platform": "cuda", "prefill_tp": 2})
     assert "CUDA, one GPU per rank: prefill TP 2, decode TP 1" in line
     assert "core" not in line
+
+
+# -- MLA on CPU -----------------------------------------------------------------
+
+
+def test_an_mla_model_in_float32_on_cpu_runs_vllms_reference_mla_backend(
+    tmp_path: Path,
+) -> None:
+    """vLLM prefers its AMX MLA backend where the CPU has AMX, and that one
+    loads only bfloat16/float16 weights: the float32 MLA engine died at
+    start-up on such a machine. The reference backend is named unless the
+    dtype is not float32 or the user chose a backend."""
+    mla, dense = tmp_path / "mla", tmp_path / "dense"
+    for path, config in ((mla, {"kv_lora_rank": 64}), (dense, {})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+
+    def backend(model: Path, *argv: str) -> list[str]:
+        config = _serve("--role", "decode", "--model", str(model), *argv)
+        cmd = instance_command(config, config.spec(), model)
+        return [a for i, a in enumerate(cmd) if "--attention-backend" in cmd[i - 1 : i]]
+
+    assert backend(mla) == ["CPU_MLA"]
+    assert backend(dense) == []
+    assert backend(mla, "--dtype", "bfloat16") == []
+    assert backend(mla, "--", "--attention-backend", "AMX_MLA") == ["AMX_MLA"]
+    assert backend(mla, "--platform", "cuda") == []
