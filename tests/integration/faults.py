@@ -168,13 +168,18 @@ def assert_pushed_named(
     cluster: Cluster, reference: workload.Outputs, name: str, deadline_s: float
 ) -> None:
     """Workload request ``name`` is answered correctly through a push, not
-    a fallback."""
-    time.sleep(1.0)  # let earlier counts reach /metrics
+    a fallback: its Done reached decode, and decode counted no fallback.
+    Counts reach /metrics with the engine step after them, so decode steps
+    (:func:`nudge`) before each read: an earlier request's late count is
+    not taken for this one's, and nothing rests on a sleep."""
+    nudge(cluster, "decode0")
     before = counters(cluster)["decode0"]["fallback"]
-    reply = send_named(cluster, name, deadline_s)
+    client_id = f"pushed-{uuid.uuid4().hex[:8]}"
+    reply = send_named(cluster, name, deadline_s, client_id)
     problem = workload.mismatch(reference[name], reply)
     assert problem is None, f"{name}: {problem}"
-    time.sleep(1.0)
+    wait_transfer_phase(cluster, client_id, "notif_received")
+    nudge(cluster, "decode0")
     assert counters(cluster)["decode0"]["fallback"] == before, f"{name} fell back"
 
 

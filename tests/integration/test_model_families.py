@@ -83,6 +83,30 @@ class TestKvPushSlidingWindow(FamilyChecks):
     }
 
 
+def _no_fp8_kv_here() -> bool:
+    """vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or
+    AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
+    try:
+        return " avx512f" not in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+
+
+@pytest.mark.long
+@pytest.mark.skipif(_no_fp8_kv_here(), reason="this CPU has no AVX-512: no fp8 KV")
+class TestKvPushFp8Kv(FamilyChecks):
+    """The dense model with a per-tensor fp8 KV cache (``--kv-cache-dtype
+    fp8``: one byte per value, scales fixed by the model on both sides):
+    the pushed bytes are decode's cache as colocated would have it."""
+
+    preset = "tiny"
+    cluster_options: ClassVar[dict[str, Any]] = {
+        "max_num_batched_tokens": 256,
+        "verify_kv": "all",
+        "extra_vllm_args": ("--kv-cache-dtype", "fp8"),
+    }
+
+
 MLA_TP: dict[str, Any] = {"prefill_tp": 1, "decode_tp": 2}
 
 
