@@ -25,7 +25,7 @@ import pytest
 
 from kvpush import env
 from kvpush.model.presets import ensure_preset
-from tests.integration import workload
+from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
 
@@ -105,6 +105,17 @@ class TestKvPushFp8Kv(FamilyChecks):
         "verify_kv": "all",
         "extra_vllm_args": ("--kv-cache-dtype", "fp8"),
     }
+
+    def test_both_caches_are_fp8(self, pd_cluster: Cluster) -> None:
+        for name in ("prefill0", "decode0"):
+            info = faults.instance_metric(
+                pd_cluster, name, "vllm:cache_config_info", cache_dtype="fp8"
+            )
+            assert info == 1, f"{name} does not keep an fp8 cache"
+
+    # Declared again so that it runs after the check above.
+    def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
+        super().test_down_stops_every_process(pd_cluster)
 
 
 MLA_TP: dict[str, Any] = {"prefill_tp": 1, "decode_tp": 2}
