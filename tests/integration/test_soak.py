@@ -1,5 +1,5 @@
 """A short soak of a real kvpush cluster (``python -m kvpush_lab.soak``,
-45 s): with a quarter of the requests aborted by the client mid-request,
+30 s at 5 req/s): with a quarter of the requests aborted by the client mid-request,
 no request is lost, no KV block leaks, and the cluster is stopped after.
 The soak starts and stops a cluster of its own, on ports no other test
 cluster uses (conftest's are 18000-19499, test_bench's 28500-29599)."""
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 def soak(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     out = tmp_path_factory.mktemp("soak") / "results"
     argv = [
-        "--mode", "kvpush", "--duration-s", "45", "--qps", "4",
+        "--mode", "kvpush", "--duration-s", "30", "--qps", "5",
         "--prompt-len", "128-768", "--max-tokens", "16", "--abort-fraction", "0.25",
         "--request-timeout-s", "30", "--model", str(model_dir), "--out", str(out),
         "--port", "26000", "--base-http-port", "26100",
