@@ -307,6 +307,13 @@ def _add_up(p: argparse.ArgumentParser) -> None:
             type=int,
             help=f"tensor-parallel ranks of each {role} instance (default 1)",
         )
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-dp",
+            type=int,
+            help=f"data-parallel engines of each {role} instance, behind its one "
+            "HTTP port; each is an endpoint the router pins legs to (default 1)",
+        )
     p.add_argument("--port", type=int, help="router port (default 8000)")
     p.add_argument(
         "--base-http-port", type=int, help="first instance HTTP port (default 8100)"
@@ -315,7 +322,7 @@ def _add_up(p: argparse.ArgumentParser) -> None:
         "--base-side-channel-port",
         type=int,
         help="first NIXL side-channel port (default 5600); instance i owns "
-        "the next TP ports from base + i * (the cluster's largest TP)",
+        "one port per rank from base + i * (the cluster's largest DP x TP)",
     )
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument(
@@ -385,11 +392,11 @@ _UP_KEYS = (
 def up_config(args: argparse.Namespace) -> Any:
     """The ClusterConfig from an optional file overlaid with given flags."""
     from kvpush.launcher.cli import INSTANCE_KEYS
-    from kvpush.launcher.config import TP_KEYS, load_config_file, make_config
+    from kvpush.launcher.config import DP_KEYS, TP_KEYS, load_config_file, make_config
     from kvpush.launcher.platform import resolve_platform
 
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
-    keys = (*_UP_KEYS, *TP_KEYS, *INSTANCE_KEYS)
+    keys = (*_UP_KEYS, *TP_KEYS, *DP_KEYS, *INSTANCE_KEYS)
     values.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     values["platform"] = resolve_platform(values.get("platform", "auto"))
     if getattr(args, "model_preset", None) is not None:

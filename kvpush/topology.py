@@ -20,8 +20,14 @@ serve`` prints its entry at start-up); ``side_channel_host``/``_port`` the
 to decode; without it their transfers fail, and loading warns); ``tp_size``
 the instance's ``--tensor-parallel-size`` (default 1; a kvpush prefill's
 rank ``r`` listens on ``side_channel_port + r``, and decode's leg carries
-it). Unknown keys are refused, and every error names the backend and the
-field.
+it). ``dp_rank``: for one data-parallel rank of an instance that runs
+several behind one URL (vLLM's ``--data-parallel-size``, its internal load
+balancer): the router pins each leg to that rank (vLLM's
+``X-data-parallel-rank`` header); its ``engine_id`` is vLLM's for the rank,
+``<engine id>_dp<rank>``, and its side channel starts
+``side_channel_port + dp_rank * tp_size`` (kvpush) or
+``side_channel_port + dp_rank`` (vLLM's NIXL connectors). Unknown keys are
+refused, and every error names the backend and the field.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] = 1
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -16,6 +16,11 @@ gives decodes in its answer to a vLLM P/D prefill leg (``remote_host``),
 when it binds a wildcard or an address others reach by another name; empty
 (the default): ``side_channel_host``.
 
+``side_channel_port`` is the instance's first port. A data-parallel
+instance runs one engine per DP rank, each with its own KV cache, engine id
+(vLLM appends ``_dp<rank>``) and ports: DP rank ``d`` with TP ``t`` takes
+``side_channel_port + d * t`` onward, one per TP rank.
+
 ``control_dir`` (decode): an absolute directory where ``kvpush forget``
 leaves an operator's proof that a prefill is gone
 (:mod:`kvpush.connector.control`); the launcher sets
@@ -267,7 +272,7 @@ class ConnectorConfig:
                 role=_ROLES[kv.kv_role],  # type: ignore[arg-type]
                 engine_id=str(kv.engine_id or ""),
                 side_channel_host=str(extra.get("side_channel_host", "127.0.0.1")),
-                side_channel_port=int(extra.get("side_channel_port", 0)),
+                side_channel_port=_engine_port(extra, vllm_config.parallel_config),
                 side_channel_advertise_host=str(
                     extra.get("side_channel_advertise_host", "") or ""
                 ),
@@ -295,6 +300,14 @@ class ConnectorConfig:
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad KvPushConnector config: {e}") from e
+
+
+def _engine_port(extra: dict[str, Any], parallel: Any) -> int:
+    """This engine's first side-channel port: the instance's, after the
+    ports of the DP ranks before it."""
+    base = int(extra.get("side_channel_port", 0))
+    dp_rank = int(getattr(parallel, "data_parallel_index", 0) or 0)
+    return base + dp_rank * int(parallel.tensor_parallel_size)
 
 
 def _fraction(extra: dict[str, Any]) -> float:

@@ -16,8 +16,12 @@ before the KV cache is allocated). It reads its arguments and changes nothing.
 
 Accepted, and why the copy is right:
 
-- PP, DP, DCP and PCP all 1: each worker holds every layer and token of
-  its own KV heads.
+- PP, DCP and PCP all 1: each worker holds every layer and token of its
+  own KV heads.
+- Any DP size: each DP rank is an engine of its own, with its own KV cache,
+  engine id (vLLM appends ``_dp<rank>``) and side-channel ports
+  (:class:`~kvpush.connector.config.ConnectorConfig`): a transfer endpoint
+  like an instance, and its TP ranks map as an instance's do.
 - Any TP size: every worker rank is a transfer endpoint
   (:mod:`kvpush.transfer.ranks`). Equal TP sizes map rank ``r`` to rank
   ``r``; different ones map head slices (:mod:`kvpush.transfer.heads`)
@@ -153,7 +157,6 @@ def kv_storage_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 def _parallel_problems(parallel: Any) -> list[str]:
     sizes = {
         "PP": ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
-        "DP": ("--data-parallel-size", parallel.data_parallel_size),
         "DCP": (
             "--decode-context-parallel-size",
             parallel.decode_context_parallel_size,
@@ -170,14 +173,6 @@ def _parallel_problems(parallel: Any) -> list[str]:
         for name, (flag, size) in sizes.items()
         if size != 1
     ]
-    # vLLM runs each data-parallel rank of a dense model as its own engine
-    # with data_parallel_size reset to 1; only the rank index is left.
-    if parallel.data_parallel_size == 1 and parallel.data_parallel_index != 0:
-        problems.append(
-            f"--data-parallel-size > 1 (this engine is data-parallel rank "
-            f"{parallel.data_parallel_index}): kvpush supports DP 1 only until it "
-            "is designed; run with --data-parallel-size 1"
-        )
     return problems
 
 

@@ -69,7 +69,8 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     check_tp_fits_model(model, {s.name: s.tp for s in specs})
     _check_ports_free(config, [] if network else specs)
     run_dir.mkdir(parents=True, exist_ok=True)
-    topology = Topology(mode=config.mode, backends=tuple(s.backend() for s in specs))  # type: ignore[arg-type]
+    backends = tuple(b for s in specs for b in s.backends(config.mode))
+    topology = Topology(mode=config.mode, backends=backends)  # type: ignore[arg-type]
     dump_topology(topology, run_dir / TOPOLOGY_FILE)
     state = RunState(
         mode=config.mode,

@@ -42,8 +42,10 @@ HOSTS = ("local", "netns")
 FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
 TP_KEYS = ("prefill_tp", "decode_tp", "colocated_tp")
-# vLLM options the launcher sets itself from its TP settings.
-_TP_FLAGS = ("--tensor-parallel-size", "-tp")
+DP_KEYS = ("prefill_dp", "decode_dp")
+_MAX_DP = 8
+# vLLM options the launcher sets itself from its TP and DP settings.
+_TP_FLAGS = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,18 @@ class ClusterConfig:
     mode; each must be 1 where it does not apply). vLLM gets
     ``--tensor-parallel-size``, one worker process per rank.
 
+    Data parallelism (P/D modes): every prefill runs ``prefill_dp`` engines,
+    every decode ``decode_dp`` (``--prefill-dp``, ``--decode-dp``), behind
+    the instance's one HTTP port (vLLM's ``--data-parallel-size`` and its
+    internal load balancer). Each DP rank is an endpoint of its own in the
+    topology (engine id ``<name>_dp<rank>``, its own side-channel ports);
+    the router pins every leg to one. An instance has ``dp * tp`` ranks.
+
     Side-channel ports: every rank is a transfer endpoint, so instance ``i``
-    owns the range ``[base_side_channel_port + i * stride, ... + its TP)``
-    with ``stride`` = :attr:`side_channel_stride`, the largest TP of the
-    cluster; rank ``r`` of instance ``i`` may listen on ``its base + r``.
+    owns the range ``[base_side_channel_port + i * stride, ... + its
+    ranks)`` with ``stride`` = :attr:`side_channel_stride`, the largest
+    ``dp * tp`` of the cluster; TP rank ``r`` of DP rank ``d`` may listen on
+    ``its base + d * tp + r``.
     No two instances' ranges overlap, and with TP 1 everywhere instance ``i``
     gets ``base_side_channel_port + i`` as before. (vLLM's own NIXL
     connectors listen on the instance's base port only, one listener per
@@ -166,6 +176,8 @@ class ClusterConfig:
     prefill_tp: int = 1
     decode_tp: int = 1
     colocated_tp: int = 1
+    prefill_dp: int = 1
+    decode_dp: int = 1
     platform: Platform = Platform.CPU
     gpu_memory_utilization: float | None = None
     gpus: tuple[int, ...] = ()
@@ -175,6 +187,7 @@ class ClusterConfig:
         _check_mode(self.mode)
         self._check_counts()
         self._check_tp()
+        self._check_dp()
         self._check_gpus()
         self._check_ports()
         self._check_hosts()
@@ -222,6 +235,26 @@ class ClusterConfig:
                 "--prefill-tp and --decode-tp",
             )
 
+    def _check_dp(self) -> None:
+        for name in DP_KEYS:
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and 1 <= value <= _MAX_DP,
+                f"{name} must be between 1 and {_MAX_DP}, not {value!r}",
+            )
+        _require(
+            self.mode != "colocated" or (self.prefill_dp, self.decode_dp) == (1, 1),
+            "--prefill-dp/--decode-dp are for P/D modes; colocated runs one engine",
+        )
+
+    def dp_of(self, role: str) -> int:
+        """The data-parallel size (engines) of an instance of ``role``."""
+        return {"prefill": self.prefill_dp, "decode": self.decode_dp}.get(role, 1)
+
+    def ranks_of(self, role: str) -> int:
+        """Worker ranks of an instance of ``role``: its DP times its TP."""
+        return self.dp_of(role) * self.tp_of(role)
+
     def tp_of(self, role: str) -> int:
         """The tensor-parallel size of an instance of ``role``."""
         return {
@@ -235,7 +268,9 @@ class ClusterConfig:
         """Worker ranks of the whole cluster (on CUDA, one GPU each)."""
         if self.mode == "colocated":
             return self.colocated_tp
-        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+        return self.num_prefill * self.ranks_of("prefill") + self.num_decode * (
+            self.ranks_of("decode")
+        )
 
     def _check_gpus(self) -> None:
         if self.platform == Platform.CPU:
@@ -253,11 +288,11 @@ class ClusterConfig:
 
     @property
     def side_channel_stride(self) -> int:
-        """Side-channel ports each instance owns: the cluster's largest TP
-        (1 when every instance runs one rank)."""
+        """Side-channel ports each instance owns: the cluster's largest
+        ``dp * tp`` (1 when every instance runs one rank)."""
         if self.mode == "colocated":
             return self.colocated_tp
-        return max(self.prefill_tp, self.decode_tp)
+        return max(self.ranks_of("prefill"), self.ranks_of("decode"))
 
     def _check_ports(self) -> None:
         n = self.num_instances
@@ -419,9 +454,9 @@ def check_instance_settings(s: InstanceSettings) -> None:
     tp_flags = [a for a in s.extra_vllm_args if a.split("=")[0] in _TP_FLAGS]
     _require(
         not tp_flags,
-        f"extra vLLM options must not set the TP ({tp_flags[:1]}): give it with "
-        "--prefill-tp/--decode-tp/--colocated-tp (serve: --tp), which also bind "
-        "each rank to its core",
+        f"extra vLLM options must not set the TP or DP ({tp_flags[:1]}): give "
+        "them with --prefill-tp/--decode-tp/--colocated-tp (serve: --tp) and "
+        "--prefill-dp/--decode-dp, which also bind each rank to its core",
     )
     _require(
         not s.kv_both or s.mode == "kvpush",

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
 from kvpush.launcher.netns import NetPlan
 from kvpush.launcher.platform import Platform
@@ -57,11 +59,13 @@ def serves_decode_legs(config: InstanceSettings, role: str) -> bool:
 class InstanceSpec:
     """One vLLM instance to start.
 
-    ``name`` is its engine id; ``addresses`` where it binds and what the
-    topology names; ``side_channel_port`` the first of its ``tp``
-    side-channel ports (rank ``r`` may listen on ``side_channel_port + r``);
-    ``cores`` the CPU each of its ``tp`` ranks is bound to, in rank order
-    (empty: not pinned); ``gpus`` (CUDA) the GPUs its ranks use, its
+    ``name`` is its engine id (with ``dp`` > 1, its DP rank ``d``'s is
+    ``<name>_dp<d>``, as vLLM names it); ``addresses`` where it binds and
+    what the topology names; ``side_channel_port`` the first of its
+    side-channel ports, one per rank (TP rank ``r`` of DP rank ``d`` may
+    listen on ``side_channel_port + d * tp + r``); ``cores`` the CPU each of
+    its ``dp * tp`` ranks is bound to, DP-major as vLLM reads them (empty:
+    not pinned); ``gpus`` (CUDA) the GPUs its ranks use, its
     ``CUDA_VISIBLE_DEVICES`` (empty: whatever its environment shows it);
     ``run_dir`` holds its log, traces and fault file (None: none of them).
     """
@@ -75,15 +79,24 @@ class InstanceSpec:
     run_dir: Path | None
     tp: int = 1
     gpus: tuple[int, ...] = ()
+    dp: int = 1
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"instance {self.name}: tp must be >= 1, not {self.tp}")
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(
+                f"instance {self.name}: tp and dp must be >= 1, not {self.tp}, "
+                f"{self.dp}"
+            )
         for what, ids in (("cores", self.cores), ("gpus", self.gpus)):
-            if ids and len(ids) != self.tp:
+            if ids and len(ids) != self.ranks:
                 raise ValueError(
-                    f"instance {self.name}: {len(ids)} {what} for {self.tp} ranks"
+                    f"instance {self.name}: {len(ids)} {what} for {self.ranks} ranks"
                 )
+
+    @property
+    def ranks(self) -> int:
+        """Worker ranks: ``tp`` in each of ``dp`` engines."""
+        return self.dp * self.tp
 
     @property
     def cpus(self) -> frozenset[int]:
@@ -99,7 +112,7 @@ class InstanceSpec:
     @property
     def side_channel_ports(self) -> range:
         """The side-channel ports this instance owns, one per rank."""
-        return range(self.side_channel_port, self.side_channel_port + self.tp)
+        return range(self.side_channel_port, self.side_channel_port + self.ranks)
 
     @property
     def url(self) -> str:
@@ -120,6 +133,24 @@ class InstanceSpec:
             side_channel_host=self.addresses.side_channel_host,
             side_channel_port=self.side_channel_port,
             tp_size=self.tp,  # decode registers with each prefill rank
+        )
+
+    def backends(self, mode: str) -> tuple[Backend, ...]:
+        """This instance's endpoints in the router's topology: itself, or
+        with ``dp`` > 1 each DP rank, pinned by ``dp_rank``, at its engine id
+        and first side-channel port (kvpush: after the TP ranks of the DP
+        ranks before it; vLLM's NIXL connectors: one port per DP rank)."""
+        if self.dp == 1:
+            return (self.backend(),)
+        step = self.tp if mode == "kvpush" else 1
+        return tuple(
+            msgspec.structs.replace(
+                self.backend(),
+                engine_id=f"{self.name}_dp{d}",
+                side_channel_port=self.side_channel_port + d * step,
+                dp_rank=d,
+            )
+            for d in range(self.dp)
         )
 
 
@@ -147,8 +178,9 @@ def plan_instances(
     stride = config.side_channel_stride
     names = instance_names(config)
     tps = [config.tp_of(role) for role, _ in names]
-    shares = core_shares(cores, tps)
-    gpus = gpu_shares(config, tps)
+    ranks = [config.ranks_of(role) for role, _ in names]
+    shares = core_shares(cores, ranks)
+    gpus = gpu_shares(config, ranks)
     specs = []
     for i, (role, name) in enumerate(names):
         addresses = config.addresses
@@ -161,10 +193,11 @@ def plan_instances(
                 addresses=addresses,
                 http_port=config.base_http_port + i,
                 side_channel_port=config.base_side_channel_port + i * stride,
-                cores=rank_cores(shares[i], tps[i]),
+                cores=rank_cores(shares[i], ranks[i]),
                 run_dir=run_dir,
                 tp=tps[i],
                 gpus=gpus[i],
+                dp=config.dp_of(role),
             )
         )
     return specs
@@ -360,6 +393,7 @@ def instance_command(
         "--dtype", config.dtype or platform.default_dtype,
         *(() if max_len is None else ("--max-model-len", str(max_len))),
         "--tensor-parallel-size", str(spec.tp),
+        *(("--data-parallel-size", str(spec.dp)) if spec.dp > 1 else ()),
         *(("--enforce-eager",) if platform == Platform.CPU else ()),
         "--disable-uvicorn-access-log",
     ]  # fmt: skip

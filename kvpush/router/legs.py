@@ -27,6 +27,8 @@ from kvpush.router.errors import (
 from kvpush.topology import Backend
 
 FORWARDED_HEADERS = ("Authorization",)
+# vLLM's per-request choice of data-parallel rank (its internal load balancer)
+DP_RANK_HEADER = "X-data-parallel-rank"
 SSE_CONTENT_TYPE = "text/event-stream"
 
 
@@ -62,6 +64,8 @@ async def open_leg(
     for name in FORWARDED_HEADERS:
         if name in ctx.request.headers:
             headers[name] = ctx.request.headers[name]
+    if backend.dp_rank is not None:  # one DP rank of an instance: pin it
+        headers[DP_RANK_HEADER] = str(backend.dp_rank)
     try:
         response = await ctx.session.post(url, data=body, headers=headers)
     except aiohttp.ClientError as e:

@@ -18,10 +18,11 @@ import msgspec
 
 from kvpush import client
 from kvpush.launcher.state import TOPOLOGY_FILE
+from kvpush.router.legs import DP_RANK_HEADER
 from kvpush.router.requests import PushDecodeParams, RemoteDecodeParams
 from kvpush.telemetry import names
 from kvpush.telemetry.reader import Exposition
-from kvpush.topology import load_topology
+from kvpush.topology import Backend, load_topology
 from kvpush.transfer.messages import DecodeLeg, PrefillLeg
 
 LOGPROB_TOLERANCE = 1e-4
@@ -175,6 +176,11 @@ def kvpush_legs(cluster: Any, tid: str) -> tuple[PrefillLeg, DecodeLeg]:
     )  # fmt: skip
 
 
+def _pinned(backend: Backend) -> dict[str, str]:
+    """The header that pins a leg to ``backend``'s DP rank, if it is one."""
+    return {} if backend.dp_rank is None else {DP_RANK_HEADER: str(backend.dp_rank)}
+
+
 def leg_bodies(
     body: dict[str, Any], prefill_params: Any, decode_params: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -205,18 +211,24 @@ def send_legs_in_order(
     """Send one request's two legs straight to the instances (no router),
     ``first`` one leg, the other only once the first has had time to arrive
     (prefill: after it answered, i.e. its KV is ready; decode: 1 s later, when
-    its blocks are registered). Returns decode's reply."""
+    its blocks are registered). Returns decode's reply. Each leg goes to the
+    first endpoint of its instance (a DP instance's rank 0, pinned as the
+    router pins it)."""
     prefill_url, decode_url = (
         cluster.instance_url("prefill0"),
         cluster.instance_url("decode0"),
     )
     request_id = uuid.uuid4().hex
-    headers = {"X-Request-Id": request_id}
+    topology = load_topology(cluster.run_dir / TOPOLOGY_FILE)
+    prefill_headers, headers = (
+        {"X-Request-Id": request_id, **_pinned(backend)}
+        for backend in (topology.prefills[0], topology.decodes[0])
+    )
     prefill_params, decode_params = _leg_params(mode, cluster, request_id)
     prefill_body, decode_body = leg_bodies(body, prefill_params, decode_params)
 
     def send_prefill() -> client.Reply:
-        return client.request(prefill_url, path, prefill_body, 180.0, headers)
+        return client.request(prefill_url, path, prefill_body, 180.0, prefill_headers)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         if first == "prefill":

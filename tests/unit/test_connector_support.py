@@ -95,7 +95,6 @@ def test_unsupported_config_is_a_value_error():
             "--pipeline-parallel-size 2",
             "until it is designed",
         ),
-        ("data_parallel_size", "--data-parallel-size 2", "until it is designed"),
         ("decode_context_parallel_size", "--decode-context-parallel-size 2", ""),
         ("prefill_context_parallel_size", "--prefill-context-parallel-size 2", ""),
     ],
@@ -116,11 +115,15 @@ def test_tensor_parallelism_is_accepted_at_start_up():
     assert check_supported(config, kv_config(full_spec())) is None
 
 
-def test_a_dense_models_data_parallel_rank_is_refused_though_vllm_resets_dp_to_1():
-    config = vllm_config()
-    config.parallel_config.data_parallel_index = 1  # what EngineCore leaves
-    message = refusal(config, kv_config(full_spec()))
-    assert "--data-parallel-size > 1 (this engine is data-parallel rank 1)" in message
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_each_data_parallel_rank_is_accepted_as_an_engine_of_its_own(dp_size: int):
+    """vLLM runs each DP rank of a dense model as its own engine with
+    data_parallel_size reset to 1 (only the rank index is left); a MoE
+    model's engines keep the size. Either way the engine's KV cache is its
+    own: it is served, on ports of its own (test_connector_dp.py)."""
+    config = vllm_config(parallel={"data_parallel_size": dp_size})
+    config.parallel_config.data_parallel_index = 1
+    assert check_supported(config, kv_config(full_spec())) is None
 
 
 def test_every_problem_is_listed_at_once():
