@@ -81,7 +81,7 @@ class SignalScraper:
         if text is None:
             return False
         try:
-            scrape = parse_scrape(text)
+            scrape = parse_scrape(text, backend.dp_rank)
         except ValueError as e:
             logger.debug("signals of %s do not parse: %s", backend.engine_id, e)
             return False

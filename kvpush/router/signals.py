@@ -12,6 +12,7 @@ What is read, from vLLM's own families and kvpush connector's:
 
 - ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` (summed over
   vLLM's engines) and ``vllm:kv_cache_usage_perc`` (the fullest engine);
+  for one DP rank of an instance, its engine's alone;
 - on a kvpush prefill, per decode peer: ``vllm:kvpush_peer_handover_seconds``
   (its KV ready to the WRITE done; the board keeps a moving mean of the
   observations between two reads) and ``vllm:kvpush_peer_bytes_in_flight``
@@ -48,17 +49,21 @@ class Scrape:
     bytes_in_flight: dict[str, float] = field(default_factory=dict)
 
 
-def parse_scrape(text: str) -> Scrape:
-    """The signals in one ``/metrics`` text (``ValueError`` if it does not parse)."""
+def parse_scrape(text: str, engine: int | None = None) -> Scrape:
+    """The signals in one ``/metrics`` text (``ValueError`` if it does not
+    parse): of every engine, or of vLLM's engine ``engine`` alone (one DP
+    rank of an instance: its samples carry ``engine="<rank>"``)."""
     metrics = Exposition.parse(text)
+    only = {} if engine is None else {"engine": str(engine)}
     handover = names.KVPUSH_PEER_HANDOVER_SECONDS
+    in_flight = names.KVPUSH_PEER_BYTES_IN_FLIGHT
     return Scrape(
-        num_waiting=_count(metrics.total(names.NUM_REQUESTS_WAITING)),
-        num_running=_count(metrics.total(names.NUM_REQUESTS_RUNNING)),
-        kv_usage=metrics.highest(names.KV_CACHE_USAGE),
-        handover_sum_s=metrics.by_label(handover.sum, "peer"),
-        handover_count=metrics.by_label(handover.count, "peer"),
-        bytes_in_flight=metrics.by_label(names.KVPUSH_PEER_BYTES_IN_FLIGHT, "peer"),
+        num_waiting=_count(metrics.total(names.NUM_REQUESTS_WAITING, **only)),
+        num_running=_count(metrics.total(names.NUM_REQUESTS_RUNNING, **only)),
+        kv_usage=metrics.highest(names.KV_CACHE_USAGE, **only),
+        handover_sum_s=metrics.by_label(handover.sum, "peer", **only),
+        handover_count=metrics.by_label(handover.count, "peer", **only),
+        bytes_in_flight=metrics.by_label(in_flight, "peer", **only),
     )
 
 

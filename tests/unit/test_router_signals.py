@@ -46,6 +46,27 @@ def test_a_vllm_metrics_text_gives_queue_usage_and_pair_figures() -> None:
     assert scrape.bytes_in_flight == {"decode0": 2048.0}
 
 
+def test_one_dp_rank_reads_its_own_engines_samples() -> None:
+    """An instance with two DP engines serves one sample per engine; the
+    router's endpoint for DP rank 1 reads engine 1's alone."""
+    reg = prometheus_client.CollectorRegistry()
+    for family, values in (
+        (names.NUM_REQUESTS_WAITING, (3, 7)),
+        (names.KV_CACHE_USAGE, (0.25, 0.5)),
+    ):
+        gauge = prometheus_client.Gauge(
+            family.name, family.name, family.label_names, registry=reg
+        )
+        for engine, value in enumerate(values):
+            gauge.labels("m", str(engine)).set(value)
+    text = prometheus_client.generate_latest(reg).decode()
+    assert (parse_scrape(text).num_waiting, parse_scrape(text).kv_usage) == (10, 0.5)
+    rank1 = parse_scrape(text, engine=1)
+    assert (rank1.num_waiting, rank1.kv_usage) == (7, 0.5)
+    rank0 = parse_scrape(text, engine=0)
+    assert (rank0.num_waiting, rank0.kv_usage) == (3, 0.25)
+
+
 def test_text_without_the_families_gives_no_queue() -> None:
     assert parse_scrape("# nothing here\n") == Scrape()
 
