@@ -43,7 +43,7 @@ FAILURE_POLICIES = ("recompute", "error")
 _MAX_PORT = 65535
 TP_KEYS = ("prefill_tp", "decode_tp", "colocated_tp")
 DP_KEYS = ("prefill_dp", "decode_dp")
-_MAX_DP = 8
+MAX_DP = 8
 # vLLM options the launcher sets itself from its TP and DP settings.
 _TP_FLAGS = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
 
@@ -239,8 +239,8 @@ class ClusterConfig:
         for name in DP_KEYS:
             value = getattr(self, name)
             _require(
-                isinstance(value, int) and 1 <= value <= _MAX_DP,
-                f"{name} must be between 1 and {_MAX_DP}, not {value!r}",
+                isinstance(value, int) and 1 <= value <= MAX_DP,
+                f"{name} must be between 1 and {MAX_DP}, not {value!r}",
             )
         _require(
             self.mode != "colocated" or (self.prefill_dp, self.decode_dp) == (1, 1),

@@ -136,6 +136,9 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
      "in every P/D configuration (1)"),
     ("--decode-tp", "decode_tp", int, "... of every decode (1)"),
     ("--colocated-tp", "colocated_tp", int, "... of the colocated instance (1)"),
+    ("--prefill-dp", "prefill_dp", int, "data-parallel engines of every prefill, "
+     "in every P/D configuration (1)"),
+    ("--decode-dp", "decode_dp", int, "... of every decode (1)"),
     ("--repeat", "repeat", int, "rounds: every configuration once per round, "
      "in the same order (A B C D, A B C D, ...), each on a fresh cluster; ratios "
      "to vllm-pull as median [min-max] over rounds (1; with --publish "

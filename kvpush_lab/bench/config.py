@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.launcher.config import TP_KEYS, check_tp_size
+from kvpush.launcher.config import DP_KEYS, MAX_DP, TP_KEYS, check_tp_size
 from kvpush.launcher.platform import PLATFORM_CHOICES
 from kvpush.model.presets import PRESETS as MODEL_PRESETS
 from kvpush.model.presets import preset as model_preset_of
@@ -159,6 +159,8 @@ class BenchConfig:
     prefill_tp: int = 1
     decode_tp: int = 1
     colocated_tp: int = 1
+    prefill_dp: int = 1
+    decode_dp: int = 1
     churn_requests: int = 64
     churn_concurrency: int = 8
     churn_prompt_len: str = "64-2048"
@@ -204,6 +206,9 @@ class BenchConfig:
         )
         for name in TP_KEYS:
             check_tp_size(name, getattr(self, name))
+        for name in DP_KEYS:
+            value = getattr(self, name)
+            require(1 <= value <= MAX_DP, f"{name} must be in 1..{MAX_DP}, not {value}")
 
     def _check_endpoint(self) -> None:
         """``base_url``'s own settings, and none that needs owned clusters."""
@@ -503,6 +508,8 @@ ENDPOINT_REFUSED: dict[str, str] = {
     "prefill_tp": _CLUSTER,
     "decode_tp": _CLUSTER,
     "colocated_tp": _CLUSTER,
+    "prefill_dp": _CLUSTER,
+    "decode_dp": _CLUSTER,
     "share_kvpush_cluster": _CLUSTER,
     "repeat": "rounds run every configuration on a fresh cluster; run the "
     "command again for another sample",

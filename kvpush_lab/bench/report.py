@@ -216,21 +216,30 @@ def _machine_name(summary: BenchSummary) -> str:
 
 
 def _cores_line(s: dict[str, object]) -> str:
-    """How the instances ran: one core each at TP 1, else their TP (on
-    CUDA: one GPU per rank)."""
+    """How the instances ran: one core each at TP 1 and DP 1, else their TP
+    and DP (on CUDA: one GPU per rank)."""
     tps = {k: s.get(f"{k}_tp") or 1 for k in ("prefill", "decode", "colocated")}
+    dps = {k: s.get(f"{k}_dp") or 1 for k in ("prefill", "decode")}
+    dp = (
+        ""
+        if set(dps.values()) == {1}
+        else (
+            f" (data parallel: prefill DP {dps['prefill']}, decode DP {dps['decode']})"
+        )
+    )
     if s.get("platform") == "cuda":
         return (
             f"CUDA, one GPU per rank: prefill TP {tps['prefill']}, decode TP "
-            f"{tps['decode']}, colocated TP {tps['colocated']}"
+            f"{tps['decode']}, colocated TP {tps['colocated']}{dp}"
         )
-    if set(tps.values()) == {1}:
+    if set(tps.values()) == {1} and not dp:
         return "one core per instance"
     return (
         f"tensor parallel: prefill TP {tps['prefill']}, decode TP "
         f"{tps['decode']} in every P/D configuration, colocated TP "
-        f"{tps['colocated']}; each instance on its own cores, its ranks sharing "
-        "them where it has fewer cores than ranks (docs/tensor-parallel-cpu.md)"
+        f"{tps['colocated']}{dp}; each instance on its own cores, its ranks "
+        "sharing them where it has fewer cores than ranks "
+        "(docs/tensor-parallel-cpu.md)"
     )
 
 

@@ -255,6 +255,8 @@ def cluster_config(
         prefill_tp=config.prefill_tp if is_pd else 1,
         decode_tp=config.decode_tp if is_pd else 1,
         colocated_tp=1 if is_pd else config.colocated_tp,
+        prefill_dp=config.prefill_dp if is_pd else 1,
+        decode_dp=config.decode_dp if is_pd else 1,
     )
 
 

@@ -63,3 +63,20 @@ def test_the_report_says_the_tp_of_every_side() -> None:
     report = render_report(msgspec.structs.replace(base, settings=settings))
     assert "prefill TP 2, decode TP 1 in every P/D configuration" in report
     assert "colocated TP 1" in report and "one core per instance" not in report
+
+
+def test_every_pd_configuration_runs_the_same_dp_and_the_report_says_so(
+    tmp_path: Path,
+) -> None:
+    names = ("colocated", "vllm-pull", "kvpush")
+    config = config_from_args(parse(["--configs", ",".join(names), "--decode-dp", "2"]))
+    made = {n: cluster_config(config, n, tmp_path, tmp_path / n) for n in names}
+    assert [(made[n].prefill_dp, made[n].decode_dp) for n in names] == [
+        (1, 1), (1, 2), (1, 2),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"decode_dp must be in 1\.\.8, not 9"):
+        make_config({"decode_dp": 9})
+    base = summary()
+    settings = {**base.settings, "decode_dp": 2}
+    report = render_report(msgspec.structs.replace(base, settings=settings))
+    assert "data parallel: prefill DP 1, decode DP 2" in report
