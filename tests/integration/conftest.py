@@ -38,7 +38,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "long: real-cluster suites kept out of CI for time (test_restarts.py, "
-        "the moe and swa presets, TP 2 to 2, the chunk granularity); "
+        "the moe, swa and fp8 classes, TP 2 to 2, the chunk granularity, "
+        "vllm-push on one host, colocated on a rehearsal host); "
         "deselect with -m 'not long'",
     )
 

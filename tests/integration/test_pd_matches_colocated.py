@@ -117,7 +117,11 @@ class TestVllmPull(PDChecks):
     arrival_orders = ("prefill",)  # decode needs prefill's answer to start
 
 
+@pytest.mark.long
 class TestVllmPush(PDChecks):
+    """Long (not CI): vLLM's own push behind kvpush's router; CI checks it
+    on the rehearsal hosts (``test_netns.py``) and measures it in the bench."""
+
     mode = "vllm-push"
 
 
