@@ -26,6 +26,7 @@ from kvpush.launcher import netns, process
 from kvpush.launcher.config import ClusterConfig, InstanceSettings, check_secret
 from kvpush.launcher.instances import (
     InstanceSpec,
+    check_dp_fits_model,
     check_tp_fits_model,
     instance_command,
     instance_env,
@@ -67,6 +68,7 @@ def up(config: ClusterConfig, console: Console | None = None) -> RunState:
     model = _resolve_model(config, console)
     specs = plan_instances(config, run_dir, network)
     check_tp_fits_model(model, {s.name: s.tp for s in specs})
+    check_dp_fits_model(model, config.platform, specs)
     _check_ports_free(config, [] if network else specs)
     run_dir.mkdir(parents=True, exist_ok=True)
     backends = tuple(b for s in specs for b in s.backends(config.mode))

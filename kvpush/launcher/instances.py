@@ -280,6 +280,35 @@ def check_tp_fits_model(model: Path, tps: dict[str, int]) -> None:
             )
 
 
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def check_dp_fits_model(
+    model: Path, platform: Platform, specs: list[InstanceSpec]
+) -> None:
+    """Refuse, before anything starts, DP > 1 for a MoE model on vLLM's CPU
+    build: its MoE layers exchange tokens between the DP ranks with
+    ``all_gatherv``, which the CPU communicator lacks, and every engine dies
+    at the first forward (``NotImplementedError`` in
+    ``base_device_communicator.py``), with or without expert parallelism."""
+    if platform != Platform.CPU or all(s.dp == 1 for s in specs):
+        return
+    try:
+        raw = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    text = raw.get("text_config") or raw
+    if not any(text.get(k) for k in _EXPERT_KEYS):
+        return
+    names = ", ".join(f"{s.name} (DP {s.dp})" for s in specs if s.dp > 1)
+    raise ValueError(
+        f"{names}: {model} is a mixture-of-experts model, and vLLM's CPU build "
+        "cannot run its MoE layers across data-parallel ranks (all_gatherv is "
+        "not implemented on CPU: the engines die at the first request); run "
+        "--prefill-dp/--decode-dp 1 on CPU"
+    )
+
+
 def _head_counts(model: Path) -> tuple[int, int] | None:
     try:
         raw = json.loads((model / "config.json").read_text())

@@ -6,6 +6,7 @@ for it (no vLLM is started)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ import pytest
 from kvpush.cli import _parser, up_config
 from kvpush.launcher.config import ClusterConfig
 from kvpush.launcher.instances import (
+    check_dp_fits_model,
     instance_command,
     instance_env_vars,
     plan_instances,
 )
+from kvpush.launcher.platform import Platform
 
 MODEL = Path("/models/tiny")
 
@@ -71,3 +74,25 @@ def test_up_takes_dp_flags_and_refuses_bad_ones() -> None:
         ClusterConfig(mode="colocated", num_prefill=0, num_decode=0, prefill_dp=2)
     with pytest.raises(ValueError, match="must not set the TP or DP"):
         ClusterConfig(mode="kvpush", extra_vllm_args=("--data-parallel-size", "2"))
+
+
+def test_dp_with_a_moe_model_on_cpu_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """vLLM's CPU build runs a MoE model's layers across DP ranks with
+    all_gatherv, which its CPU communicator lacks: every engine died at the
+    first request (moe preset, decode DP 2, with and without
+    --enable-expert-parallel). Dense models and DP 1 pass; CUDA is vLLM's."""
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for path, config in ((moe, {"num_experts": 8}), (dense, {})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+    dp = ClusterConfig(mode="kvpush", decode_dp=2)
+    specs = plan_instances(dp, tmp_path)
+    with pytest.raises(ValueError, match=r"decode0 \(DP 2\): .* mixture-of-experts"):
+        check_dp_fits_model(moe, Platform.CPU, specs)
+    check_dp_fits_model(dense, Platform.CPU, specs)
+    check_dp_fits_model(moe, Platform.CUDA, specs)
+    check_dp_fits_model(
+        moe, Platform.CPU, plan_instances(ClusterConfig(mode="kvpush"), tmp_path)
+    )
