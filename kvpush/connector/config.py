@@ -307,7 +307,7 @@ def _engine_port(extra: dict[str, Any], parallel: Any) -> int:
     ports of the DP ranks before it."""
     base = int(extra.get("side_channel_port", 0))
     dp_rank = int(getattr(parallel, "data_parallel_index", 0) or 0)
-    return base + dp_rank * int(parallel.tensor_parallel_size)
+    return ranks.dp_engine_port(base, dp_rank, int(parallel.tensor_parallel_size))
 
 
 def _fraction(extra: dict[str, Any]) -> float:

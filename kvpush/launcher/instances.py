@@ -21,9 +21,10 @@ import msgspec
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
 from kvpush.launcher.netns import NetPlan
 from kvpush.launcher.platform import Platform
-from kvpush.model.kv_size import is_mla
+from kvpush.model.kv_size import is_mla, is_moe, text_config
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
+from kvpush.transfer.ranks import dp_engine_port
 
 # vLLM connector loaded into each instance, per mode, by the name kvpush's
 # vLLM plugin registers (kvpush.vllm_plugin; no kv_connector_module_path).
@@ -142,12 +143,14 @@ class InstanceSpec:
         ranks before it; vLLM's NIXL connectors: one port per DP rank)."""
         if self.dp == 1:
             return (self.backend(),)
-        step = self.tp if mode == "kvpush" else 1
+        ports_per_engine = self.tp if mode == "kvpush" else 1
         return tuple(
             msgspec.structs.replace(
                 self.backend(),
                 engine_id=f"{self.name}_dp{d}",
-                side_channel_port=self.side_channel_port + d * step,
+                side_channel_port=dp_engine_port(
+                    self.side_channel_port, d, ports_per_engine
+                ),
                 dp_rank=d,
             )
             for d in range(self.dp)
@@ -280,9 +283,6 @@ def check_tp_fits_model(model: Path, tps: dict[str, int]) -> None:
             )
 
 
-_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
-
-
 def check_dp_fits_model(
     model: Path, platform: Platform, specs: list[InstanceSpec]
 ) -> None:
@@ -293,12 +293,7 @@ def check_dp_fits_model(
     ``base_device_communicator.py``), with or without expert parallelism."""
     if platform != Platform.CPU or all(s.dp == 1 for s in specs):
         return
-    try:
-        raw = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return
-    text = raw.get("text_config") or raw
-    if not any(text.get(k) for k in _EXPERT_KEYS):
+    if not is_moe(model):
         return
     names = ", ".join(f"{s.name} (DP {s.dp})" for s in specs if s.dp > 1)
     raise ValueError(
@@ -310,11 +305,9 @@ def check_dp_fits_model(
 
 
 def _head_counts(model: Path) -> tuple[int, int] | None:
-    try:
-        raw = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
+    text = text_config(model)
+    if text is None:
         return None
-    text = raw.get("text_config") or raw
     num_heads = text.get("num_attention_heads")
     num_kv_heads = text.get("num_key_value_heads", num_heads)
     if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int):

@@ -30,15 +30,33 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     return values * _ELEMENT_BYTES[dtype]
 
 
-def is_mla(model_dir: Path) -> bool:
-    """The model in ``model_dir`` keeps MLA latents (its config.json names a
-    ``kv_lora_rank``); False when there is no readable config."""
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def text_config(model_dir: Path) -> dict[str, Any] | None:
+    """The language model's part of ``model_dir``'s config.json (its
+    ``text_config`` where it has one); None when there is no readable one
+    (a hub id, a broken file)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
+    if not isinstance(config, dict):
+        return None
     text = config.get("text_config") or config
-    return bool(text.get("kv_lora_rank"))
+    return text if isinstance(text, dict) else None
+
+
+def is_mla(model_dir: Path) -> bool:
+    """The model keeps MLA latents (its config names a ``kv_lora_rank``)."""
+    text = text_config(model_dir)
+    return text is not None and bool(text.get("kv_lora_rank"))
+
+
+def is_moe(model_dir: Path) -> bool:
+    """The model has mixture-of-experts layers (its config counts experts)."""
+    text = text_config(model_dir)
+    return text is not None and any(text.get(k) for k in _EXPERT_KEYS)
 
 
 def _values_per_token(config: dict[str, Any]) -> int:

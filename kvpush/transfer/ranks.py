@@ -8,7 +8,9 @@ KV cache, so every worker rank is a kvpush endpoint of its own:
 * prefill rank ``r`` listens on its own side channel,
   :func:`side_channel_port` ``(base, r)`` = ``base + r``, where ``base`` is
   the instance's ``side_channel_port`` (the launcher gives each instance a
-  range of ``tp_size`` ports, ranges not overlapping).
+  range of ``tp_size`` ports, ranges not overlapping); a data-parallel
+  instance's engine ``d`` is an instance of its own whose ``base`` is
+  :func:`dp_engine_port` ``(first, d, tp_size)`` = ``first + d * tp_size``.
 
 Which rank pairs exchange KV, and which heads, is decided here only, by
 :class:`TpPair` over :class:`~kvpush.transfer.heads.TpMapping`:
@@ -38,6 +40,13 @@ MAX_TP_SIZE = 64  # the largest tensor-parallel size the wire accepts
 def side_channel_port(base: int, rank: int) -> int:
     """The side-channel port prefill rank ``rank`` listens on."""
     return base + rank
+
+
+def dp_engine_port(first: int, dp_rank: int, tp_size: int) -> int:
+    """The first side-channel port of data-parallel engine ``dp_rank`` of an
+    instance whose ports start at ``first``: after the TP ranks of the
+    engines before it."""
+    return first + dp_rank * tp_size
 
 
 def agent_name(engine_id: str, rank: int) -> str:
