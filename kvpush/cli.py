@@ -458,9 +458,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for p in info["processes"]:  # type: ignore[attr-defined]
         side = p["side_channel_port"] if p["side_channel_port"] is not None else "-"
         alive = "up" if p["alive"] else "DOWN"
+        ranks = f"tp {p['tp']} dp {p['dp']}" if p["role"] != "router" else ""
         print(
             f"  {p['name']:<10} {p['role']:<9} {p['url']:<26} side {side!s:<6} "
-            f"host {p['host']:<22} pid {p['pid']:<7} {alive:<4} {p['log_path']}"
+            f"{ranks:<10} host {p['host']:<22} pid {p['pid']:<7} {alive:<4} "
+            f"{p['log_path']}"
         )
     return 0
 

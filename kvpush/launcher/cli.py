@@ -179,6 +179,20 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp", type=int, help="tensor-parallel size: worker ranks (default 1)"
     )
+    p.add_argument(
+        "--dp",
+        type=int,
+        help="data-parallel size: engines behind this HTTP port (vLLM's "
+        "--data-parallel-size; default 1); with --dp-rank, the DP group's size",
+    )
+    p.add_argument(
+        "--dp-rank",
+        type=int,
+        help="serve only this rank of the --dp group, on this HTTP port "
+        "(vLLM's external load balancing, mixture-of-experts models): one "
+        "kvpush serve per rank, each with the same --name and "
+        "--side-channel-port; vLLM's coordination flags go after '--'",
+    )
     add_instance_options(p)
     p.add_argument(
         "--print-command",
@@ -191,6 +205,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
 
 _SERVE_ONLY = (
     "role", "mode", "name", "port", "side_channel_port", "core", "cores", "tp",
+    "dp", "dp_rank",
 )  # fmt: skip
 
 
@@ -247,20 +262,25 @@ def serve_config(args: argparse.Namespace) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvpush.launcher.cluster import read_secret, tiny_model
-    from kvpush.launcher.instances import check_tp_fits_model
+    from kvpush.launcher.instances import check_dp_fits_model, check_tp_fits_model
     from kvpush.launcher.serve import model_path, print_command, serve
 
     config = serve_config(args)
     config.check_startable()
     model = model_path(config, tiny_model)
     check_tp_fits_model(model, {config.engine_id: config.tp})
+    check_dp_fits_model(model, config.platform, [config.spec()])
     if args.print_command:
         print(print_command(config, model))
         return 0
     secret = read_secret(config)
     import msgspec
 
-    entry = msgspec.json.encode(config.backend()).decode()
-    print(f"kvpush serve: {config.engine_id}; topology entry: {entry}", file=sys.stderr)
+    entries = [msgspec.json.encode(b).decode() for b in config.backends()]
+    print(
+        f"kvpush serve: {config.engine_id}; topology entries:\n  "
+        + "\n  ".join(entries),
+        file=sys.stderr,
+    )
     serve(config, model, secret)
     return 0

@@ -161,6 +161,7 @@ def _start_all(
                 side_channel_port=spec.side_channel_port,
                 cores=spec.cores,
                 tp=spec.tp,
+                dp=spec.dp,
                 host=host.namespace if host else None,
             )
         )
@@ -388,6 +389,7 @@ def status(run_dir: Path) -> dict[str, object] | None:
                 "url": p.url,
                 "side_channel_port": p.side_channel_port,
                 "tp": p.tp,
+                "dp": p.dp,
                 "cores": list(p.cores),
                 "host": p.host or "local",
                 "pid": p.pid,

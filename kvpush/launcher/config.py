@@ -45,7 +45,10 @@ TP_KEYS = ("prefill_tp", "decode_tp", "colocated_tp")
 DP_KEYS = ("prefill_dp", "decode_dp")
 MAX_DP = 8
 # vLLM options the launcher sets itself from its TP and DP settings.
-_TP_FLAGS = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp")
+_TP_FLAGS = (
+    "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
+    "--data-parallel-rank", "-dpn",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -237,11 +240,7 @@ class ClusterConfig:
 
     def _check_dp(self) -> None:
         for name in DP_KEYS:
-            value = getattr(self, name)
-            _require(
-                isinstance(value, int) and 1 <= value <= MAX_DP,
-                f"{name} must be between 1 and {MAX_DP}, not {value!r}",
-            )
+            check_dp_size(name, getattr(self, name))
         _require(
             self.mode != "colocated" or (self.prefill_dp, self.decode_dp) == (1, 1),
             "--prefill-dp/--decode-dp are for P/D modes; colocated runs one engine",
@@ -456,7 +455,8 @@ def check_instance_settings(s: InstanceSettings) -> None:
         not tp_flags,
         f"extra vLLM options must not set the TP or DP ({tp_flags[:1]}): give "
         "them with --prefill-tp/--decode-tp/--colocated-tp (serve: --tp) and "
-        "--prefill-dp/--decode-dp, which also bind each rank to its core",
+        "--prefill-dp/--decode-dp (serve: --dp, --dp-rank), which also bind "
+        "each rank to its core",
     )
     _require(
         not s.kv_both or s.mode == "kvpush",
@@ -538,6 +538,34 @@ class Addresses:
 
 def _check_mode(mode: str) -> None:
     _require(mode in MODES, f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+
+
+def check_dp_size(name: str, value: object) -> None:
+    """ValueError unless ``value`` is a DP size the launcher plans."""
+    _require(
+        isinstance(value, int) and 1 <= value <= MAX_DP,
+        f"{name} must be between 1 and {MAX_DP}, not {value!r}",
+    )
+
+
+def check_dp(role: str, dp: int, dp_rank: int | None) -> None:
+    """ValueError unless ``kvpush serve``'s ``dp`` and ``dp_rank`` fit: a
+    P/D instance (colocated runs one engine), a rank of the DP group."""
+    check_dp_size("dp", dp)
+    _require(
+        role != "colocated" or dp == 1,
+        "--dp is for prefill and decode instances; colocated runs one engine",
+    )
+    if dp_rank is None:
+        return
+    _require(
+        dp > 1,
+        "--dp-rank serves one rank of a DP group: give its size with --dp (> 1)",
+    )
+    _require(
+        isinstance(dp_rank, int) and 0 <= dp_rank < dp,
+        f"--dp-rank must be one of 0..{dp - 1} (--dp {dp}), not {dp_rank!r}",
+    )
 
 
 def check_tp_size(name: str, value: object) -> None:

@@ -65,10 +65,16 @@ class InstanceSpec:
     what the topology names; ``side_channel_port`` the first of its
     side-channel ports, one per rank (TP rank ``r`` of DP rank ``d`` may
     listen on ``side_channel_port + d * tp + r``); ``cores`` the CPU each of
-    its ``dp * tp`` ranks is bound to, DP-major as vLLM reads them (empty:
-    not pinned); ``gpus`` (CUDA) the GPUs its ranks use, its
-    ``CUDA_VISIBLE_DEVICES`` (empty: whatever its environment shows it);
-    ``run_dir`` holds its log, traces and fault file (None: none of them).
+    its ranks is bound to, DP-major as vLLM reads them (empty: not pinned);
+    ``gpus`` (CUDA) the GPUs its ranks use, its ``CUDA_VISIBLE_DEVICES``
+    (empty: whatever its environment shows it); ``run_dir`` holds its log,
+    traces and fault file (None: none of them).
+
+    ``dp_rank`` None: the process runs all ``dp`` engines behind its HTTP
+    port (vLLM's internal load balancer; ``dp * tp`` ranks). Else it is DP
+    rank ``dp_rank`` of ``dp`` alone, with an HTTP port of its own (vLLM's
+    external load balancing, ``--data-parallel-rank``; ``tp`` ranks), and
+    ``side_channel_port`` is still the DP group's first port.
     """
 
     role: Role
@@ -81,12 +87,18 @@ class InstanceSpec:
     tp: int = 1
     gpus: tuple[int, ...] = ()
     dp: int = 1
+    dp_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
             raise ValueError(
                 f"instance {self.name}: tp and dp must be >= 1, not {self.tp}, "
                 f"{self.dp}"
+            )
+        if self.dp_rank is not None and not 0 <= self.dp_rank < self.dp:
+            raise ValueError(
+                f"instance {self.name}: DP rank {self.dp_rank} is not one of "
+                f"0..{self.dp - 1} (DP size {self.dp})"
             )
         for what, ids in (("cores", self.cores), ("gpus", self.gpus)):
             if ids and len(ids) != self.ranks:
@@ -96,8 +108,8 @@ class InstanceSpec:
 
     @property
     def ranks(self) -> int:
-        """Worker ranks: ``tp`` in each of ``dp`` engines."""
-        return self.dp * self.tp
+        """Worker ranks of the process: ``tp`` in each of its engines."""
+        return self.tp if self.dp_rank is not None else self.dp * self.tp
 
     @property
     def cpus(self) -> frozenset[int]:
@@ -138,12 +150,15 @@ class InstanceSpec:
 
     def backends(self, mode: str) -> tuple[Backend, ...]:
         """This instance's endpoints in the router's topology: itself, or
-        with ``dp`` > 1 each DP rank, pinned by ``dp_rank``, at its engine id
-        and first side-channel port (kvpush: after the TP ranks of the DP
-        ranks before it; vLLM's NIXL connectors: one port per DP rank)."""
+        with ``dp`` > 1 each DP rank it serves at its engine id and first
+        side-channel port (kvpush: after the TP ranks of the DP ranks before
+        it; vLLM's NIXL connectors: one port per DP rank). Behind a shared
+        HTTP port each is pinned by ``dp_rank``; a rank served alone
+        (``dp_rank`` set) is reached by its own URL and needs no pin."""
         if self.dp == 1:
             return (self.backend(),)
         ports_per_engine = self.tp if mode == "kvpush" else 1
+        served = range(self.dp) if self.dp_rank is None else (self.dp_rank,)
         return tuple(
             msgspec.structs.replace(
                 self.backend(),
@@ -151,9 +166,9 @@ class InstanceSpec:
                 side_channel_port=dp_engine_port(
                     self.side_channel_port, d, ports_per_engine
                 ),
-                dp_rank=d,
+                dp_rank=d if self.dp_rank is None else None,
             )
-            for d in range(self.dp)
+            for d in served
         )
 
 
@@ -286,21 +301,37 @@ def check_tp_fits_model(model: Path, tps: dict[str, int]) -> None:
 def check_dp_fits_model(
     model: Path, platform: Platform, specs: list[InstanceSpec]
 ) -> None:
-    """Refuse, before anything starts, DP > 1 for a MoE model on vLLM's CPU
-    build: its MoE layers exchange tokens between the DP ranks with
-    ``all_gatherv``, which the CPU communicator lacks, and every engine dies
-    at the first forward (``NotImplementedError`` in
-    ``base_device_communicator.py``), with or without expert parallelism."""
-    if platform != Platform.CPU or all(s.dp == 1 for s in specs):
-        return
-    if not is_moe(model):
+    """Refuse, before anything starts, what vLLM cannot run with DP > 1:
+
+    * one DP rank served alone (external load balancing) for a dense model:
+      vLLM refuses it ("Non-MoE models do not support external data
+      parallel mode"), since a dense model's DP ranks are independent
+      engines anyway: each is served as an instance of its own;
+    * a MoE model on vLLM's CPU build: its MoE layers exchange tokens
+      between the DP ranks with ``all_gatherv``, which the CPU communicator
+      lacks, and every engine dies at the first forward
+      (``NotImplementedError`` in ``base_device_communicator.py``), with or
+      without expert parallelism."""
+    if all(s.dp == 1 for s in specs) or text_config(model) is None:
+        return  # no DP, or a hub id: vLLM itself judges it
+    moe = is_moe(model)
+    alone = [s for s in specs if s.dp_rank is not None]
+    if alone and not moe:
+        raise ValueError(
+            f"{alone[0].name}: {model} is a dense model, and vLLM serves one "
+            "DP rank alone (--data-parallel-rank) only for mixture-of-experts "
+            "models. A dense model's DP ranks are independent engines: serve "
+            "each as an instance of its own (kvpush serve without --dp and "
+            "--dp-rank) and list each in the router's topology"
+        )
+    if platform != Platform.CPU or not moe:
         return
     names = ", ".join(f"{s.name} (DP {s.dp})" for s in specs if s.dp > 1)
     raise ValueError(
         f"{names}: {model} is a mixture-of-experts model, and vLLM's CPU build "
         "cannot run its MoE layers across data-parallel ranks (all_gatherv is "
         "not implemented on CPU: the engines die at the first request); run "
-        "--prefill-dp/--decode-dp 1 on CPU"
+        "DP 1 on CPU (--prefill-dp/--decode-dp 1; serve: no --dp)"
     )
 
 
@@ -416,6 +447,7 @@ def instance_command(
         *(() if max_len is None else ("--max-model-len", str(max_len))),
         "--tensor-parallel-size", str(spec.tp),
         *(("--data-parallel-size", str(spec.dp)) if spec.dp > 1 else ()),
+        *(() if spec.dp_rank is None else ("--data-parallel-rank", str(spec.dp_rank))),
         *(("--enforce-eager",) if platform == Platform.CPU else ()),
         "--disable-uvicorn-access-log",
     ]  # fmt: skip

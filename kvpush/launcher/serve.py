@@ -21,6 +21,7 @@ from pathlib import Path
 from kvpush.connector.config import DEFAULT_PUSH_GRANULARITY
 from kvpush.launcher.config import (
     Addresses,
+    check_dp,
     check_instance_settings,
     check_secret,
     check_tp_size,
@@ -54,7 +55,14 @@ class ServeConfig:
     ``side_channel_advertise_host``: see
     :class:`kvpush.launcher.config.Addresses`. ``port`` is its HTTP port,
     ``side_channel_port`` its side channel's (with ``tp`` ranks, it owns
-    ``side_channel_port .. + tp - 1``). ``tp`` is its tensor-parallel size;
+    ``side_channel_port .. + tp - 1``). ``tp`` is its tensor-parallel size.
+    ``dp`` > 1: it runs that many data-parallel engines behind its one HTTP
+    port (vLLM's internal load balancer), each an endpoint of its own
+    (``<name>_dp<d>``, side-channel ports from ``side_channel_port + d *
+    tp``); with ``dp_rank`` it is DP rank ``dp_rank`` of ``dp`` alone, on
+    an HTTP port of its own (vLLM's external load balancing: one
+    ``kvpush serve`` per rank, all with the same ``name`` and
+    ``side_channel_port``; vLLM allows it for mixture-of-experts models).
     ``cores`` the CPUs its ranks are bound to, rank ``r`` to
     ``cores[r % len(cores)]`` (as ``kvpush up`` binds a cluster's ranks);
     ``core`` is short for ``cores=(core,)`` (neither: not pinned).
@@ -80,6 +88,8 @@ class ServeConfig:
     core: int | None = None
     cores: tuple[int, ...] = ()
     tp: int = 1
+    dp: int = 1
+    dp_rank: int | None = None
     dtype: str | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -132,7 +142,8 @@ class ServeConfig:
         if any(c < 0 for c in self.cores):
             raise ValueError(f"cores must be CPU numbers >= 0, not {self.cores}")
         check_tp_size("tp", self.tp)
-        top = self.side_channel_port + self.tp - 1
+        check_dp(self.role, self.dp, self.dp_rank)
+        top = self.side_channel_port + self.dp * self.tp - 1
         if top > 65535 or self.port in range(self.side_channel_port, top + 1):
             raise ValueError(
                 f"side-channel ports {self.side_channel_port}..{top} (one per "
@@ -164,19 +175,27 @@ class ServeConfig:
             addresses=self.addresses,
             http_port=self.port,
             side_channel_port=self.side_channel_port,
-            cores=rank_cores(self._pool, self.tp),
+            cores=rank_cores(self._pool, self._ranks),
             run_dir=self.run_dir,
             tp=self.tp,
+            dp=self.dp,
+            dp_rank=self.dp_rank,
         )
+
+    @property
+    def _ranks(self) -> int:
+        """Worker ranks of the process: ``tp`` per engine it runs."""
+        return self.tp if self.dp_rank is not None else self.dp * self.tp
 
     @property
     def _pool(self) -> tuple[int, ...]:
         """The cores its ranks take in turn (empty: not pinned)."""
         return self.cores or (() if self.core is None else (self.core,))
 
-    def backend(self) -> Backend:
-        """The entry to put in the router's topology file for it."""
-        return self.spec().backend()
+    def backends(self) -> tuple[Backend, ...]:
+        """The entries to put in the router's topology file for it: one per
+        DP engine it serves."""
+        return self.spec().backends(self.mode)
 
     def check_startable(self) -> None:
         """Refuse, before anything starts, a kvpush prefill (or any

@@ -24,6 +24,7 @@ class ProcessRecord(msgspec.Struct, frozen=True, kw_only=True):
     side_channel_port: int | None = None  # the first of its tp ports
     cores: tuple[int, ...] = ()  # each rank's core (empty: not pinned)
     tp: int = 1
+    dp: int = 1  # its data-parallel engines
     host: str | None = None  # its network namespace (None: this host's)
 
 

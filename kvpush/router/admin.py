@@ -5,8 +5,9 @@ Served by the router itself, on its own address (127.0.0.1 by default):
 * ``POST /admin/drain/{name}``: the router sends ``name`` (an engine id) no
   new request; requests already in flight on it finish.
 * ``POST /admin/undrain/{name}``: it gets new requests again.
-* ``GET /admin/instances``: each instance's role, URL, health, whether it is
-  drained and how many requests are in flight on it.
+* ``GET /admin/instances``: each instance's role, URL, ranks (its TP size;
+  its DP rank when it is one engine of a data-parallel instance), health,
+  whether it is drained and how many requests are in flight on it.
 
 Drained instances are left out of selection by the :class:`HealthBoard`
 (``health.py``), the one owner of routing state; ``kvpush drain`` calls these
@@ -56,6 +57,8 @@ def instance_report(board: HealthBoard, backend: Backend) -> dict[str, Any]:
         "engine_id": backend.engine_id,
         "role": backend.role,
         "url": backend.url,
+        "tp_size": backend.tp_size,
+        "dp_rank": backend.dp_rank,
         "healthy": board.is_healthy(backend.engine_id),
         "drained": board.is_drained(backend.engine_id),
         "in_flight": board.num_in_flight(backend.engine_id),

@@ -339,7 +339,21 @@ def rank_worker_pid(
 ) -> int:
     """The PID of instance ``name``'s TP worker ``rank`` (vLLM titles it
     ``VLLM::Worker_TP<rank>``), found among the instance's process group."""
-    title = f"::Worker_TP{rank}".encode()
+    return titled_pid(cluster, name, f"::Worker_TP{rank}", timeout_s)
+
+
+def dp_engine_pid(
+    cluster: Cluster, name: str, dp_rank: int, timeout_s: float = 10.0
+) -> int:
+    """The PID of instance ``name``'s data-parallel engine ``dp_rank`` (vLLM
+    titles it ``VLLM::EngineCore_DP<rank>``)."""
+    return titled_pid(cluster, name, f"::EngineCore_DP{dp_rank}", timeout_s)
+
+
+def titled_pid(cluster: Cluster, name: str, suffix: str, timeout_s: float) -> int:
+    """The PID of the process of instance ``name``'s group whose title
+    (``argv[0]``) holds ``suffix``."""
+    title = suffix.encode()
 
     def find() -> int | None:
         for pid in proc.group_members(cluster.pid(name)):
@@ -352,7 +366,7 @@ def rank_worker_pid(
         return None
 
     pid = wait_for(find, timeout_s)
-    assert pid, f"{name} has no process titled *{title.decode()}"
+    assert pid, f"{name} has no process titled *{suffix}"
     return int(pid)
 
 

@@ -2,7 +2,9 @@
 DP instance gets vLLM's ``--data-parallel-size``, one core binding per rank
 (DP-major, as vLLM reads them), one side-channel port per rank, and one
 topology endpoint per DP rank, pinned by ``dp_rank`` at vLLM's engine id
-for it (no vLLM is started)."""
+for it; ``kvpush serve --dp`` plans the same instance, and ``--dp-rank``
+one DP rank of it alone (vLLM's external load balancing). No vLLM is
+started."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.cli import _parser, up_config
+from kvpush.launcher.cli import serve_config
 from kvpush.launcher.config import ClusterConfig
 from kvpush.launcher.instances import (
     check_dp_fits_model,
@@ -20,6 +23,7 @@ from kvpush.launcher.instances import (
     plan_instances,
 )
 from kvpush.launcher.platform import Platform
+from kvpush.launcher.serve import ServeConfig
 
 MODEL = Path("/models/tiny")
 
@@ -96,3 +100,94 @@ def test_dp_with_a_moe_model_on_cpu_is_refused_before_anything_starts(
     check_dp_fits_model(
         moe, Platform.CPU, plan_instances(ClusterConfig(mode="kvpush"), tmp_path)
     )
+
+
+# -- kvpush serve: one DP instance, or one DP rank of it ------------------------------
+
+
+def _serve(*argv: str) -> ServeConfig:
+    config: ServeConfig = serve_config(_parser().parse_args(["serve", *argv]))
+    return config
+
+
+def _models(tmp_path: Path) -> tuple[Path, Path]:
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for path, config in ((moe, {"num_experts": 8}), (dense, {})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+    return moe, dense
+
+
+def test_serve_dp_is_the_instance_up_plans(tmp_path: Path) -> None:
+    """``kvpush serve --dp 2`` runs both engines behind its HTTP port, as
+    ``kvpush up --decode-dp 2`` runs each decode, with the same endpoints."""
+    cluster = ClusterConfig(mode="kvpush", decode_dp=2, decode_tp=2, cores=(0, 1))
+    decode = plan_instances(cluster, tmp_path)[1]
+    alone = _serve(
+        "--role", "decode", "--name", "decode0", "--port", "8101",
+        "--side-channel-port", "5604", "--tp", "2", "--dp", "2",
+        "--cores", "1", "--run-dir", str(tmp_path),
+    )  # fmt: skip
+    assert alone.spec() == decode
+    assert instance_command(alone, alone.spec(), MODEL) == instance_command(
+        cluster, decode, MODEL
+    )
+    assert alone.backends() == decode.backends("kvpush")
+
+
+@pytest.mark.parametrize(("mode", "port"), [("kvpush", 5604), ("vllm-pull", 5602)])
+def test_serve_one_dp_rank_alone_is_its_own_endpoint(mode: str, port: int) -> None:
+    """External load balancing: rank 2 of 4 on an HTTP port of its own.
+    vLLM gets the group's size and the rank, names the engine
+    ``<name>_dp2`` and binds its side channel after the ranks before it
+    (kvpush: tp ports per rank; vLLM's connectors: one); the router reaches
+    it by its own URL, unpinned."""
+    config = _serve(
+        "--role", "prefill", "--mode", mode, "--name", "p", "--port", "8102",
+        "--side-channel-port", "5600", "--tp", "2", "--dp", "4", "--dp-rank", "2",
+        "--cores", "0,1",
+    )  # fmt: skip
+    spec = config.spec()
+    assert (spec.ranks, spec.cores) == (2, (0, 1))  # its own engine's TP ranks
+    cmd = instance_command(config, spec, MODEL)
+    assert cmd[cmd.index("--data-parallel-size") :][:4] == [
+        "--data-parallel-size", "4", "--data-parallel-rank", "2",
+    ]  # fmt: skip
+    [entry] = config.backends()
+    assert (entry.engine_id, entry.url, entry.dp_rank, entry.tp_size) == (
+        "p_dp2", "http://127.0.0.1:8102", None, 2,
+    )  # fmt: skip
+    assert entry.side_channel_port == port
+
+
+def test_serve_refuses_dp_settings_that_cannot_run(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--dp-rank must be one of 0\.\.1"):
+        _serve("--role", "decode", "--dp", "2", "--dp-rank", "2")
+    with pytest.raises(ValueError, match="give its size with --dp"):
+        _serve("--role", "decode", "--dp-rank", "0")
+    with pytest.raises(ValueError, match="colocated runs one engine"):
+        _serve("--role", "colocated", "--dp", "2")
+    with pytest.raises(ValueError, match="dp must be between 1 and 8"):
+        _serve("--role", "decode", "--dp", "9")
+    with pytest.raises(ValueError, match="must not set the TP or DP"):
+        _serve("--role", "decode", "--", "--data-parallel-rank", "1")
+    with pytest.raises(ValueError, match="miss the HTTP port 5601"):
+        _serve("--role", "decode", "--dp", "2", "--port", "5601")
+
+
+def test_one_dp_rank_alone_is_refused_for_a_dense_model(tmp_path: Path) -> None:
+    """vLLM refuses external DP for a dense model ("Non-MoE models do not
+    support external data parallel mode"): kvpush says so before starting,
+    and what to do instead. On CPU a MoE model's DP is refused too
+    (all_gatherv), so the CPU build runs no external DP at all; on CUDA a
+    MoE rank passes, and a hub id is left to vLLM."""
+    moe, dense = _models(tmp_path)
+    rank = [_serve("--role", "decode", "--dp", "2", "--dp-rank", "1").spec()]
+    with pytest.raises(ValueError, match=r"dense model.*instance of its own"):
+        check_dp_fits_model(dense, Platform.CUDA, rank)
+    with pytest.raises(ValueError, match=r"mixture-of-experts.*all_gatherv"):
+        check_dp_fits_model(moe, Platform.CPU, rank)
+    check_dp_fits_model(moe, Platform.CUDA, rank)
+    check_dp_fits_model(tmp_path / "hub-id", Platform.CUDA, rank)
+    shared = [_serve("--role", "decode", "--dp", "2").spec()]
+    check_dp_fits_model(dense, Platform.CPU, shared)  # internal LB: independent

@@ -109,7 +109,7 @@ def test_exact_argv_and_env_per_role_and_mode(
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    backend = config.backend()
+    (backend,) = config.backends()
     assert (backend.url, backend.engine_id) == ("http://10.250.0.1:8200", name)
     assert (backend.side_channel_host, backend.side_channel_port) == (
         "10.250.0.1",

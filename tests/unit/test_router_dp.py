@@ -1,6 +1,7 @@
 """A topology backend that is one data-parallel rank of an instance
 (``dp_rank``): the router pins every leg it sends there to that rank with
-vLLM's ``X-data-parallel-rank`` header; other backends get no such header."""
+vLLM's ``X-data-parallel-rank`` header; other backends get no such header.
+``GET /admin/instances`` shows each backend's ranks."""
 
 from __future__ import annotations
 
@@ -39,10 +40,14 @@ async def test_each_leg_is_pinned_to_its_backends_dp_rank(mode: str) -> None:
             http.post(url, json=COMPLETION) as r,
         ):
             assert r.status == 200, await r.text()
+            async with http.get(router.url + "/admin/instances") as listed:
+                instances = (await listed.json())["instances"]
         [prefill_leg] = cluster.prefills[0].received
         [decode_leg] = cluster.decodes[0].received
         assert "X-data-parallel-rank" not in prefill_leg.headers
         assert decode_leg.headers["X-data-parallel-rank"] == "1"
+        shown = {i["engine_id"]: (i["tp_size"], i["dp_rank"]) for i in instances}
+        assert shown == {"prefill0": (1, None), "decode0": (1, 1)}
     finally:
         await router.close()
         await cluster.close()

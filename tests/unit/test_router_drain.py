@@ -63,6 +63,8 @@ async def test_in_flight_requests_finish_on_a_drained_instance() -> None:
             "engine_id": "decode0",
             "role": "decode",
             "url": decode.url,
+            "tp_size": 1,
+            "dp_rank": None,
             "healthy": True,
             "drained": True,
             "in_flight": 0,
