@@ -100,13 +100,14 @@ def _kv_crossed_the_link(cluster: Cluster, model_dir: Path) -> None:
     assert received >= needed, f"decode received {received} B for {needed} B of KV"
 
 
-# colocated on a rehearsal host: make long (CI's budget; the P/D modes there
-# carry the same host and link set-up, and the bench test runs kvpush on one)
+# colocated and vllm-pull on rehearsal hosts: make long (CI's budget; the
+# other P/D modes there carry the same host and link set-up, the bench test
+# runs kvpush on one, and CI runs vllm-pull on one host)
 @pytest.mark.parametrize(
     "mode",
     [
         pytest.param("colocated", marks=pytest.mark.long),
-        "vllm-pull",
+        pytest.param("vllm-pull", marks=pytest.mark.long),
         "vllm-push",
         "kvpush",
     ],
