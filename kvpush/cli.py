@@ -149,7 +149,8 @@ def _add_router_routing_options(p: argparse.ArgumentParser) -> None:
         "chosen decode has few tokens to compute, late when every decode is "
         "busy, else early), early always sends both legs at once, late sends "
         "the prefill leg first and chooses the decode when its KV is ready, "
-        "skip never sends a prefill leg (default early)",
+        "skip never sends a prefill leg (default auto; other modes always "
+        "bind early)",
     )
     p.add_argument(
         "--skip-max-new-tokens",
@@ -324,6 +325,20 @@ def _add_up(p: argparse.ArgumentParser) -> None:
         help="first NIXL side-channel port (default 5600); instance i owns "
         "one port per rank from base + i * (the cluster's largest DP x TP)",
     )
+    p.add_argument(
+        "--base-kv-events-port",
+        type=int,
+        help="kvpush mode: first port the decodes publish vLLM's KV cache "
+        "events on (default 5800), one per DP engine",
+    )
+    p.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        default=None,
+        help="kvpush mode: the decodes publish no KV cache events (the "
+        "router then knows only the prompts it sent them)",
+    )
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument(
         "--hosts",
@@ -339,7 +354,7 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--binding",
         choices=["auto", "early", "skip"],
-        help="kvpush mode: the router's --binding (default: the router's, early)",
+        help="kvpush mode: the router's --binding (default: the router's, auto)",
     )
     p.add_argument(
         "--gpus",
@@ -384,8 +399,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 # up's own options; up_config adds the TP ranks' and every instance's.
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
-    "base_side_channel_port", "startup_timeout_s", "hosts", "link_gbit",
-    "binding", "gpus",
+    "base_side_channel_port", "base_kv_events_port", "kv_events",
+    "startup_timeout_s", "hosts", "link_gbit", "binding", "gpus",
 )  # fmt: skip
 
 

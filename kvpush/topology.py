@@ -26,7 +26,13 @@ balancer): the router pins each leg to that rank (vLLM's
 ``X-data-parallel-rank`` header); its ``engine_id`` is vLLM's for the rank,
 ``<engine id>_dp<rank>``, and its side channel starts
 ``side_channel_port + dp_rank * tp_size`` (kvpush) or
-``side_channel_port + dp_rank`` (vLLM's NIXL connectors). Unknown keys are
+``side_channel_port + dp_rank`` (vLLM's NIXL connectors).
+``kv_events_endpoint`` (a decode, kvpush mode): ``tcp://HOST:PORT``, an
+address of the router's host where the router listens for the engine's
+vLLM KV cache events and the engine's publisher connects (the decode's
+``--kv-events-config`` endpoint; a DP engine's port is that plus its DP
+rank, as vLLM offsets it); the router learns from them what the decode
+holds. Unknown keys are
 refused, and every error names the backend and the field.
 """
 
@@ -59,6 +65,7 @@ class Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     side_channel_port: int = 0
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] = 1
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    kv_events_endpoint: str | None = None
 
 
 class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -135,6 +142,29 @@ def _check_backend(where: str, backend: Backend) -> None:
         raise ValueError(
             f"{where}: side_channel_port must be in 1..65535 (0: none), "
             f"not {backend.side_channel_port}"
+        )
+    if backend.kv_events_endpoint is not None:
+        check_kv_events_endpoint(
+            f"{where}: kv_events_endpoint", backend.kv_events_endpoint
+        )
+
+
+def check_kv_events_endpoint(where: str, endpoint: str) -> None:
+    """ValueError unless ``endpoint`` is ``tcp://HOST:PORT`` with a host
+    that is not a wildcard."""
+    url = urllib.parse.urlsplit(endpoint)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "tcp" or not url.hostname or not port:
+        raise ValueError(
+            f"{where} {endpoint!r} must be tcp://HOST:PORT, e.g. tcp://10.0.0.1:5800"
+        )
+    if is_wildcard(url.hostname):
+        raise ValueError(
+            f"{where} {endpoint!r} names a wildcard; give the router's address, "
+            "where the router listens and the decode's engines connect"
         )
 
 

@@ -169,6 +169,12 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--side-channel-port", type=int, help="side-channel port (default 5600)"
     )
+    p.add_argument(
+        "--kv-events-endpoint",
+        help="kvpush decode: tcp://ROUTER_HOST:PORT where the router listens "
+        "for its vLLM KV cache events (one port per DP engine from PORT); "
+        "named in its topology entries (default: none)",
+    )
     p.add_argument("--core", type=int, help="pin the instance to this CPU")
     p.add_argument(
         "--cores",
@@ -205,7 +211,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
 
 _SERVE_ONLY = (
     "role", "mode", "name", "port", "side_channel_port", "core", "cores", "tp",
-    "dp", "dp_rank",
+    "dp", "dp_rank", "kv_events_endpoint",
 )  # fmt: skip
 
 

@@ -334,6 +334,9 @@ def _check_ports_free(config: ClusterConfig, specs: list[InstanceSpec]) -> None:
             (f"{s.name} side channel", s.addresses.side_channel_bind_host, port)
             for port in s.side_channel_ports
         ]
+        ports += [  # the router listens for them
+            (f"{s.name} KV events", config.host, port) for port in s.kv_events_ports
+        ]
     for what, host, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             # As the servers themselves do: a port whose old connections
@@ -345,7 +348,7 @@ def _check_ports_free(config: ClusterConfig, specs: list[InstanceSpec]) -> None:
                 raise ValueError(
                     f"port {port} ({what}) on {host} is in use ({e.strerror}); "
                     "choose other ports with --port / --base-http-port / "
-                    "--base-side-channel-port"
+                    "--base-side-channel-port / --base-kv-events-port"
                 ) from e
 
 

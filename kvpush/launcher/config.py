@@ -7,6 +7,7 @@ the field names below; flags given on the command line win over the file.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,13 @@ class ClusterConfig:
     ``binding`` (kvpush mode) is the router's ``--binding`` (None: the
     router's default); see :mod:`kvpush.router.binding`.
 
+    ``kv_events`` (kvpush mode, local hosts): every decode engine sends
+    vLLM's KV cache events to the router, which learns from them what each
+    decode holds (:mod:`kvpush.router.kv_feed`); the router listens for
+    decode ``j``'s DP rank ``d`` on ``base_kv_events_port + j * decode_dp +
+    d``. Not on rehearsal hosts: their instances cannot reach the router's
+    loopback address.
+
     ``platform`` (:mod:`kvpush.launcher.platform`) is what the instances run
     on; the CLI detects it, a config built in code says it (default CPU).
     Unset, ``dtype``, ``max_model_len`` and ``kv_cache_space_gb`` take its
@@ -149,6 +157,8 @@ class ClusterConfig:
     port: int = 8000
     base_http_port: int = 8100
     base_side_channel_port: int = 5600
+    kv_events: bool = True
+    base_kv_events_port: int = 5800
     run_dir: Path | None = None
     dtype: str | None = None
     max_model_len: int | None = None
@@ -293,32 +303,45 @@ class ClusterConfig:
             return self.colocated_tp
         return max(self.ranks_of("prefill"), self.ranks_of("decode"))
 
-    def _check_ports(self) -> None:
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Whether the decodes publish KV cache events for the router."""
+        return self.kv_events and self.mode == "kvpush" and self.hosts == "local"
+
+    def _port_ranges(self) -> dict[str, range]:
+        """Every range of ports the cluster listens on, by setting."""
         n = self.num_instances
-        num_side = n * self.side_channel_stride
-        for name, first, count in (
-            ("port", self.port, 1),
-            ("base_http_port", self.base_http_port, n),
-            ("base_side_channel_port", self.base_side_channel_port, num_side),
-        ):
-            last = first + count - 1
-            _require(
-                first >= 1024 and last <= _MAX_PORT,
-                f"{name} must leave ports {first}..{last} within 1024..65535",
+        ranges = {
+            "port": range(self.port, self.port + 1),
+            "base_http_port": range(self.base_http_port, self.base_http_port + n),
+            "base_side_channel_port": range(
+                self.base_side_channel_port,
+                self.base_side_channel_port + n * self.side_channel_stride,
+            ),
+        }
+        if self.publishes_kv_events:
+            first = self.base_kv_events_port
+            ranges["base_kv_events_port"] = range(
+                first, first + self.num_decode * self.decode_dp
             )
-        http = set(range(self.base_http_port, self.base_http_port + n))
-        first_side = self.base_side_channel_port
-        side = set(range(first_side, first_side + num_side))
-        _require(
-            not http & side,
-            "base_http_port and base_side_channel_port ranges overlap (HTTP "
-            f"{self.base_http_port}..{self.base_http_port + n - 1}, side channels "
-            f"{first_side}..{first_side + num_side - 1})",
-        )
-        _require(
-            self.port not in http | side,
-            f"router port {self.port} collides with an instance port; change --port",
-        )
+        return ranges
+
+    def _check_ports(self) -> None:
+        ranges = self._port_ranges()
+        for name, ports in ranges.items():
+            _require(
+                ports.start >= 1024 and ports[-1] <= _MAX_PORT,
+                f"{name} must leave ports {ports.start}..{ports[-1]} within "
+                "1024..65535",
+            )
+        for a, b in itertools.combinations(ranges, 2):
+            overlap = set(ranges[a]) & set(ranges[b])
+            _require(
+                not overlap,
+                f"{a} and {b} ranges overlap ({_span(ranges[a])} and "
+                f"{_span(ranges[b])}, at {min(overlap) if overlap else 0}); "
+                "move one",
+            )
 
     def _check_hosts(self) -> None:
         _require(
@@ -538,6 +561,10 @@ class Addresses:
 
 def _check_mode(mode: str) -> None:
     _require(mode in MODES, f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+
+
+def _span(ports: range) -> str:
+    return f"{ports.start}..{ports[-1]}"
 
 
 def check_dp_size(name: str, value: object) -> None:

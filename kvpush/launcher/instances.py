@@ -75,6 +75,11 @@ class InstanceSpec:
     rank ``dp_rank`` of ``dp`` alone, with an HTTP port of its own (vLLM's
     external load balancing, ``--data-parallel-rank``; ``tp`` ranks), and
     ``side_channel_port`` is still the DP group's first port.
+
+    ``kv_events_endpoint`` (None: none): ``tcp://HOST:PORT`` on the
+    router's host, where its engines' publishers connect to send vLLM's KV
+    cache events to the router (DP rank ``d`` to ``PORT + d``, as vLLM
+    offsets it; :mod:`kvpush.router.kv_feed`).
     """
 
     role: Role
@@ -88,6 +93,7 @@ class InstanceSpec:
     gpus: tuple[int, ...] = ()
     dp: int = 1
     dp_rank: int | None = None
+    kv_events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
@@ -124,8 +130,10 @@ class InstanceSpec:
 
     @property
     def side_channel_ports(self) -> range:
-        """The side-channel ports this instance owns, one per rank."""
-        return range(self.side_channel_port, self.side_channel_port + self.ranks)
+        """The side-channel ports this process owns, one per rank (kvpush's
+        numbering: a DP rank served alone owns its rank's share)."""
+        first = dp_engine_port(self.side_channel_port, self.dp_rank or 0, self.tp)
+        return range(first, first + self.ranks)
 
     @property
     def url(self) -> str:
@@ -137,6 +145,21 @@ class InstanceSpec:
             raise ValueError(f"instance {self.name} has no run directory")
         return self.run_dir / f"{self.name}.log"
 
+    def engine_kv_events_endpoint(self, dp_rank: int = 0) -> str | None:
+        """Where DP rank ``dp_rank``'s KV cache events go (None: nowhere)."""
+        if self.kv_events_endpoint is None:
+            return None
+        host, port = self.kv_events_endpoint.rsplit(":", 1)
+        return f"{host}:{int(port) + dp_rank}"
+
+    @property
+    def kv_events_ports(self) -> range:
+        """The router's ports for its engines' KV cache events (may be none)."""
+        if self.kv_events_endpoint is None:
+            return range(0)
+        first = int(self.kv_events_endpoint.rsplit(":", 1)[1]) + (self.dp_rank or 0)
+        return range(first, first + (1 if self.dp_rank is not None else self.dp))
+
     def backend(self) -> Backend:
         """This instance as the router's topology names it."""
         return Backend(
@@ -146,6 +169,7 @@ class InstanceSpec:
             side_channel_host=self.addresses.side_channel_host,
             side_channel_port=self.side_channel_port,
             tp_size=self.tp,  # decode registers with each prefill rank
+            kv_events_endpoint=self.engine_kv_events_endpoint(),
         )
 
     def backends(self, mode: str) -> tuple[Backend, ...]:
@@ -167,6 +191,7 @@ class InstanceSpec:
                     self.side_channel_port, d, ports_per_engine
                 ),
                 dp_rank=d if self.dp_rank is None else None,
+                kv_events_endpoint=self.engine_kv_events_endpoint(d),
             )
             for d in served
         )
@@ -216,9 +241,23 @@ def plan_instances(
                 tp=tps[i],
                 gpus=gpus[i],
                 dp=config.dp_of(role),
+                kv_events_endpoint=_kv_events_endpoint(
+                    config, role, i - config.num_prefill
+                ),
             )
         )
     return specs
+
+
+def _kv_events_endpoint(
+    config: ClusterConfig, role: Role, decode_index: int
+) -> str | None:
+    """Where decode ``decode_index``'s engines send their KV cache events:
+    the router's address (None: they send none)."""
+    if role != "decode" or not config.publishes_kv_events:
+        return None
+    port = config.base_kv_events_port + decode_index * config.decode_dp
+    return f"tcp://{config.addresses.advertise_host}:{port}"
 
 
 def gpu_shares(config: ClusterConfig, tps: list[int]) -> list[tuple[int, ...]]:
@@ -458,7 +497,20 @@ def instance_command(
     kv_config = kv_transfer_config(config, spec)
     if kv_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+    if spec.kv_events_endpoint is not None:
+        cmd += ["--kv-events-config", json.dumps(kv_events_config(spec))]
     return cmd + _attention_backend_args(config, model) + list(config.extra_vllm_args)
+
+
+def kv_events_config(spec: InstanceSpec) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config``: every engine's KV cache events over
+    ZMQ to the router's endpoint (a publisher given an address that is not a
+    wildcard connects to it; vLLM adds each DP rank to the port)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": spec.kv_events_endpoint,
+    }
 
 
 def _attention_backend_args(config: InstanceSettings, model: Path) -> list[str]:

@@ -37,7 +37,7 @@ from kvpush.launcher.instances import (
 )
 from kvpush.launcher.platform import Platform
 from kvpush.side_channel_auth import SECRET_ENV
-from kvpush.topology import Backend, Role
+from kvpush.topology import Backend, Role, check_kv_events_endpoint
 from kvpush.transfer.digest import DEFAULT_VERIFY_KV
 
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
@@ -63,6 +63,10 @@ class ServeConfig:
     an HTTP port of its own (vLLM's external load balancing: one
     ``kvpush serve`` per rank, all with the same ``name`` and
     ``side_channel_port``; vLLM allows it for mixture-of-experts models).
+    ``kv_events_endpoint`` (a kvpush decode; None: none):
+    ``tcp://ROUTER_HOST:PORT``, where the router listens for its engines'
+    vLLM KV cache events (DP rank ``d`` on ``PORT + d``); its topology
+    entries name it.
     ``cores`` the CPUs its ranks are bound to, rank ``r`` to
     ``cores[r % len(cores)]`` (as ``kvpush up`` binds a cluster's ranks);
     ``core`` is short for ``cores=(core,)`` (neither: not pinned).
@@ -90,6 +94,7 @@ class ServeConfig:
     tp: int = 1
     dp: int = 1
     dp_rank: int | None = None
+    kv_events_endpoint: str | None = None
     dtype: str | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -149,7 +154,22 @@ class ServeConfig:
                 f"side-channel ports {self.side_channel_port}..{top} (one per "
                 f"rank) must fit below 65536 and miss the HTTP port {self.port}"
             )
+        self._check_kv_events_endpoint()
         _ = self.addresses  # validated when resolved
+
+    def _check_kv_events_endpoint(self) -> None:
+        endpoint = self.kv_events_endpoint
+        if endpoint is None:
+            return
+        if self.role != "decode" or self.mode != "kvpush":
+            raise ValueError("--kv-events-endpoint is for a kvpush decode")
+        check_kv_events_endpoint("--kv-events-endpoint", endpoint)
+        top = int(endpoint.rsplit(":", 1)[1]) + self.dp - 1
+        if top > 65535:
+            raise ValueError(
+                f"--kv-events-endpoint {endpoint}: one port per DP engine runs "
+                f"past 65535 ({top})"
+            )
 
     @property
     def addresses(self) -> Addresses:
@@ -180,6 +200,7 @@ class ServeConfig:
             tp=self.tp,
             dp=self.dp,
             dp_rank=self.dp_rank,
+            kv_events_endpoint=self.kv_events_endpoint,
         )
 
     @property

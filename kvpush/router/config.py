@@ -27,8 +27,9 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 class RoutingConfig:
     """How kvpush mode chooses instances and binding (``planner.py``).
 
-    ``binding``: ``auto`` decides per request, ``early``, ``late`` or
-    ``skip`` force one;
+    ``binding``: ``auto`` (the default) decides per request, ``early``,
+    ``late`` or ``skip`` force one (outside kvpush mode every request is
+    bound early: ``auto`` and ``early`` are accepted there, nothing else);
     ``skip_max_new_tokens``: ``auto`` sends no prefill leg when the chosen
     decode would compute at most this many tokens itself;
     ``late_min_busy``: ``auto`` binds late when even the chosen decode's
@@ -46,7 +47,7 @@ class RoutingConfig:
     two random ones (power of two choices).
     """
 
-    binding: BindingPolicy = "early"
+    binding: BindingPolicy = "auto"
     skip_max_new_tokens: int = DEFAULT_SKIP_MAX_NEW_TOKENS
     late_min_busy: float = DEFAULT_LATE_MIN_BUSY
     block_size: int = 128
@@ -147,10 +148,11 @@ class RouterConfig:
                 f"connect_timeout_s ({self.connect_timeout_s}) must not exceed "
                 f"request_timeout_s ({self.request_timeout_s}); lower it"
             )
-        if self.routing.binding != "early" and self.mode != "kvpush":
+        if self.routing.binding not in ("auto", "early") and self.mode != "kvpush":
             raise ValueError(
                 f"binding {self.routing.binding!r} needs kvpush mode (this "
-                f"topology is {self.mode!r}); leave --binding at early"
+                f"topology is {self.mode!r}, where every request binds early); "
+                "leave --binding unset"
             )
         if self.max_body_bytes < 1024:
             raise ValueError(

@@ -86,6 +86,17 @@ class RouterMetrics:
             "first (concurrent legs), so the decode-side wait after prefill.",
             HANDOVER_BUCKETS_S,
         ).labels(mode)  # fmt: skip
+        self._kv_events = _counter(
+            reg, names.ROUTER_KV_EVENTS, "kvpush mode: KV cache events read from "
+            "each decode by what became of them (stored, removed, cleared, "
+            "unplaced, skipped, unknown, lost; unbound: the router could not "
+            "listen for them).",
+        )  # fmt: skip
+
+    def kv_event(self, instance: str, outcome: str) -> None:
+        """kvpush mode: one KV cache event of a decode (``kv_events.py``'s
+        outcomes, plus ``lost``: a gap or restart of its publisher)."""
+        self._kv_events.labels(self.mode, instance, outcome).inc()
 
     def binding(self, binding: str, reason: str) -> None:
         """kvpush mode: one attempt's binding (early, skip) and its reason."""

@@ -18,13 +18,15 @@ Two sources, both pure and on the router's event loop only:
   default 65536 entries (8M tokens of prompt at 128-token blocks) are about
   7 MB.
 
-What it cannot see (docs/architecture.md, "Prefix awareness"): blocks the
-decode evicted since (the index says held, decode recomputes: correct, just
-slower), blocks a decode received through another router replica (the index
-says not held: the prefill leg runs needlessly), and the output tokens'
-blocks (it counts only prompts). vLLM's KV cache events would close the
-first two gaps; the index's :meth:`PrefixIndex.record` and
-:meth:`PrefixIndex.forget` are where they would land.
+The index learns from two sources: the prompts the router sent each decode
+(:meth:`PrefixIndex.record` when a request was served), and, where a decode
+publishes them, vLLM's KV cache events (``kv_events.py``): the blocks it
+cached, whoever sent their prompt (another router replica, its own output),
+and the blocks it evicted (:meth:`PrefixIndex.remove`). Without events the
+index cannot see evictions (it says held, decode recomputes: correct, just
+slower) nor blocks a decode got through another router replica (it says not
+held: the prefill leg runs needlessly); docs/architecture.md, "Prefix
+awareness".
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ SESSION_KEY_MAX_CHARS = 256
 _ROOT = b"kvpush-prefix-v1"
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
+def block_hashes(
+    tokens: Sequence[int], block_size: int, parent_hash: int | None = None
+) -> tuple[int, ...]:
     """One chained hash per *full* block of ``tokens`` (a partial last block
     has none, as in vLLM's prefix cache): block *i*'s hash covers every token
-    up to the end of block *i*."""
+    up to the end of block *i*. ``parent_hash``: the hash of the block before
+    ``tokens[0]`` (None: they start the prompt)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, not {block_size}")
     out: list[int] = []
-    parent = _ROOT
+    parent = _ROOT if parent_hash is None else parent_hash.to_bytes(8, "little")
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[start : start + block_size]
         digest = hashlib.blake2b(parent, digest_size=8)
@@ -92,6 +97,11 @@ class PrefixIndex:
             self._entries.move_to_end(key)
             num += 1
         return num
+
+    def remove(self, engine_id: str, hashes: Iterable[int]) -> None:
+        """``engine_id`` no longer holds these blocks (it evicted them)."""
+        for h in hashes:
+            self._entries.pop((engine_id, h), None)
 
     def forget(self, engine_id: str) -> None:
         """``engine_id`` holds nothing any more (it restarted or went down)."""

@@ -11,7 +11,8 @@ calls :meth:`Routing.plan`, which counts the prompt once per request
 which always skips: ``binding.py``), plans, and counts the decision; a late-bound
 attempt calls :meth:`Routing.bind_late` once its prefill answered; after
 decode's answer was relayed it calls :meth:`Routing.served`. An instance the health
-checks mark down is forgotten (its index entries and reads).
+checks mark down is forgotten (its index entries and reads). Decodes that
+publish vLLM's KV cache events feed the index too (``kv_feed.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import aiohttp
 from kvpush.router.config import RouterConfig
 from kvpush.router.context import FlowContext
 from kvpush.router.health import HealthBoard
+from kvpush.router.kv_feed import KvEventFeed
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.planner import Planner, Prompt, RoutePlan
 from kvpush.router.prefix import PrefixIndex, session_key
@@ -57,19 +59,25 @@ class Routing:
             routing.signal_interval_s,
             config.health_timeout_s,
         )
+        self.kv_events = KvEventFeed(
+            config.topology.backends, self.index, routing.block_size, metrics
+        )
         self._health = health
         self._metrics = metrics
         self._num_tokenizes = 0
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self.scraper.start(session)
+        self.kv_events.start()
 
     async def close(self) -> None:
+        await self.kv_events.close()
         await self.scraper.close()
 
     def instance_down(self, engine_id: str) -> None:
         """Health said ``engine_id`` went down: forget what it held."""
         self.planner.forget(engine_id)
+        self.kv_events.forget(engine_id)
 
     async def plan(self, ctx: FlowContext) -> RoutePlan:
         """This attempt's route; its decision is counted and put in the

@@ -168,6 +168,9 @@ ROUTER_PREFILL_LEG = _router(
     "kvpush_router_prefill_leg_seconds", Kind.HISTOGRAM, "outcome"
 )
 ROUTER_HANDOVER = _router("kvpush_router_handover_seconds", Kind.HISTOGRAM)
+ROUTER_KV_EVENTS = _router(
+    "kvpush_router_kv_events", Kind.COUNTER, "instance", "outcome"
+)
 # The connector events of every instance (KVPUSH_EVENTS summed over each
 # instance's engines), served by the router without its ``mode``.
 CONNECTOR_EVENTS = Family(
@@ -178,5 +181,6 @@ ROUTER_FAMILIES = (
     ROUTER_BINDING, ROUTER_DECODE_CHOICE, ROUTER_REQUESTS, ROUTER_ERRORS,
     ROUTER_FAILURES, ROUTER_RETRIES, ROUTER_HEALTH_TRANSITIONS,
     ROUTER_INSTANCE_HEALTHY, ROUTER_REQUESTS_IN_FLIGHT, ROUTER_REQUEST_LATENCY,
-    ROUTER_TTFT, ROUTER_PREFILL_LEG, ROUTER_HANDOVER, CONNECTOR_EVENTS,
+    ROUTER_TTFT, ROUTER_PREFILL_LEG, ROUTER_HANDOVER, ROUTER_KV_EVENTS,
+    CONNECTOR_EVENTS,
 )  # fmt: skip

@@ -87,9 +87,14 @@ class Cluster:
 
 def start_cluster(mode: str, model: Path, run_dir: Path, **options: Any) -> Cluster:
     """Start ``mode`` on a block of ports no other test cluster uses;
-    ``options`` are further ClusterConfig fields."""
+    ``options`` are further ClusterConfig fields. kvpush's router binds
+    every request early here unless ``binding`` is given: these suites check
+    the transfer itself, which the default (``auto``) skips for prompts
+    decode would compute in a step or two (``test_xpyd.py`` runs ``auto``)."""
     block = next(_port_blocks)
     pd = mode != "colocated"
+    if mode == "kvpush":
+        options.setdefault("binding", "early")
     config = ClusterConfig(
         **options,
         mode=mode,
@@ -100,6 +105,7 @@ def start_cluster(mode: str, model: Path, run_dir: Path, **options: Any) -> Clus
         port=18000 + 10 * block,
         base_http_port=18500 + 10 * block,
         base_side_channel_port=19000 + 10 * block,
+        base_kv_events_port=19500 + 10 * block,
     )
     cluster = Cluster(up(config), run_dir, config)
     try:

@@ -101,14 +101,16 @@ REHEARSAL_GBIT = 4.0
 
 @pytest.fixture(scope="module")
 def rehearsal(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``kvpush bench --quick --hosts netns`` with kvpush alone (one cluster,
-    to stay short); skipped where namespaces cannot be made."""
+    """``kvpush bench --quick --hosts netns`` with kvpush alone, every
+    request bound early (one cluster, to stay short; the default binding
+    would skip the quick preset's 256-token prompts); skipped where
+    namespaces cannot be made."""
     reason = netns.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("bench-netns") / "results"
     argv = [
-        "bench", "--quick", "--configs", "kvpush", "--model", str(model_dir),
+        "bench", "--quick", "--configs", "kvpush-early", "--model", str(model_dir),
         "--hosts", "netns", "--link-gbit", f"{REHEARSAL_GBIT:g}",
         "--output", str(out), "--port", "28700", "--base-http-port", "28800",
         "--base-side-channel-port", "29700",
@@ -122,7 +124,11 @@ def test_on_the_rehearsal_the_kv_crosses_the_links_and_writes_are_timed(
 ) -> None:
     summary = load_summary(rehearsal)
     [config] = summary.configs
-    assert (config.name, config.status, config.link_gbit) == ("kvpush", "ok", 4.0)
+    assert (config.name, config.status, config.link_gbit) == (
+        "kvpush-early",
+        "ok",
+        4.0,
+    )
     [point] = config.points
     assert point.links is not None and point.bandwidth is not None
     per_token = kv_bytes_per_token(model_dir, "float32")
@@ -139,7 +145,7 @@ def test_on_the_rehearsal_the_kv_crosses_the_links_and_writes_are_timed(
     assert all(r.link_gbit == 4.0 for r in read_records(rehearsal / "requests.jsonl"))
     report = (rehearsal / "report.md").read_text()
     assert "## Over the links" in report and "## KV transfer bandwidth" in report
-    run_dir = rehearsal / "clusters" / "kvpush-4gbit"
+    run_dir = rehearsal / "clusters" / "kvpush-early-4gbit"
     assert status(run_dir) is None
     tag = netns.run_dir_tag(run_dir)
     names = subprocess.run(

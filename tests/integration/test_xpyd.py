@@ -4,12 +4,13 @@ outputs; ``n`` > 1 samples from one prefill; a conversation's next turn
 lands on the decode that holds it and sends no prefill leg at all (neither
 prefill's own request counter moves); a late-bound request whose decode
 never registers is served by decode's own prefill once prefill freed the
-KV at its ready deadline; a killed decode's traffic moves to the other and
-nothing is left holding KV.
+KV at its ready deadline; a decode that dropped its cache is known to have
+dropped it (vLLM's KV cache events) and gets both legs again; a killed
+decode's traffic moves to the other and nothing is left holding KV.
 
-Four routers over the one topology: the launcher's (default binding,
-early), and three started here with ``--binding skip``, ``late`` and
-``auto``.
+Four routers over the one topology: the launcher's (the default binding,
+``auto``; it alone hears the decodes' KV cache events), and three started
+here with ``--binding skip``, ``late`` and ``early``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvpush.launcher import ClusterConfig, down, up
 from kvpush.launcher import process as proc
 from kvpush.launcher.state import TOPOLOGY_FILE
 from kvpush.telemetry import names
+from tests.fakes.fake_nixl import wait_for
 from tests.fakes.metrics import metric
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
@@ -40,7 +42,7 @@ pytestmark = pytest.mark.integration
 # Below the kernel's ephemeral range (32768+): a start-up poll there can
 # connect to itself before the server listens.
 PORT = 17000  # the launcher's router; instances 17100+, side channels 17200+
-SKIP_PORT, AUTO_PORT, LATE_PORT = 17010, 17011, 17012
+SKIP_PORT, EARLY_PORT, LATE_PORT = 17010, 17011, 17012
 SHAPE_NAMES = ("completion-short", "completion-long", "chat-stream", "chat")
 PREFILLS, DECODES = ("prefill0", "prefill1"), ("decode0", "decode1")
 # A prefill leg whose decode died may finish first; prefill then holds its
@@ -75,11 +77,13 @@ def xpyd(
         ready_ttl_s=READY_TTL_S, registration_ttl_s=REGISTRATION_TTL_S,
         fault_injection=True,
     )  # fmt: skip
-    cluster = Cluster(up(config), run_dir, config)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")  # POST /reset_prefix_cache
+        cluster = Cluster(up(config), run_dir, config)
     routers: list[subprocess.Popen[bytes]] = []
     try:
-        urls = {"early": cluster.url}
-        extra = (("skip", SKIP_PORT), ("auto", AUTO_PORT), ("late", LATE_PORT))
+        urls = {"auto": cluster.url}
+        extra = (("skip", SKIP_PORT), ("early", EARLY_PORT), ("late", LATE_PORT))
         for binding, port in extra:
             routers.append(_start_router(run_dir, binding, port))
             urls[binding] = f"http://127.0.0.1:{port}"
@@ -191,6 +195,54 @@ def test_a_conversations_second_turn_skips_prefill_on_the_same_decode(
     assert workload.mismatch(pushed, second) is None, workload.mismatch(pushed, second)
     counts = _router_metrics(xpyd.urls["auto"])
     assert metric(counts, names.ROUTER_BINDING, binding="skip") >= 1
+
+
+def test_the_router_learns_from_kv_events_that_a_decode_dropped_its_cache(
+    xpyd: Routers,
+) -> None:
+    """The decodes publish vLLM's KV cache events and every router follows
+    them. A conversation's first turn lands on a decode; its cache is then
+    dropped (vLLM's ``/reset_prefix_cache``: an ``AllBlocksCleared``
+    event). The router that sent the turn would skip the prefill leg of the
+    second turn on what it sent alone (the test above); told by the event,
+    it sends both legs to that decode again, and the answer is the same."""
+    session = {"x-session-id": "conversation-events"}
+    first_body = _chat([workload.text_of(400, seed=41)])
+    first = _send(xpyd.urls["auto"], first_body, session)
+    assert first.status == 200, first.body
+    decode = first.headers["x-kvpush-decode"]
+
+    def events(outcome: str) -> float:
+        counts = _router_metrics(xpyd.urls["auto"])
+        found = metric(counts, names.ROUTER_KV_EVENTS, instance=decode, outcome=outcome)
+        return found or 0.0
+
+    assert wait_for(lambda: events("stored") >= 1, 10.0), "no KV events from decode"
+    cleared = events("cleared")
+    reset = urllib.request.Request(
+        xpyd.cluster.instance_url(decode) + "/reset_prefix_cache", method="POST"
+    )
+    with urllib.request.urlopen(reset, timeout=10) as resp:
+        assert resp.status == 200
+
+    def cleared_seen() -> bool:
+        """Events go out with the engine step after them: make decode step."""
+        if events("cleared") > cleared:
+            return True
+        faults.nudge(xpyd.cluster, decode)
+        return False
+
+    assert wait_for(cleared_seen, 10.0, step_s=0.2), "no clear event"
+
+    second_body = _chat([workload.text_of(400, seed=41), first.text, "and then?"])
+    second = _send(xpyd.urls["auto"], second_body, session)
+    assert second.status == 200, second.body
+    assert (second.headers["x-kvpush-binding"], second.headers["x-kvpush-decode"]) == (
+        "early",
+        decode,
+    )
+    pushed = _send(xpyd.urls["early"], second_body, {"x-session-id": "other-events"})
+    assert workload.mismatch(pushed, second) is None, workload.mismatch(pushed, second)
 
 
 def test_no_blocks_held_after_the_requests(xpyd: Routers) -> None:

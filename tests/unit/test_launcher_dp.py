@@ -126,13 +126,18 @@ def test_serve_dp_is_the_instance_up_plans(tmp_path: Path) -> None:
     alone = _serve(
         "--role", "decode", "--name", "decode0", "--port", "8101",
         "--side-channel-port", "5604", "--tp", "2", "--dp", "2",
-        "--cores", "1", "--run-dir", str(tmp_path),
+        "--cores", "1", "--run-dir", str(tmp_path), "--kv-events-endpoint",
+        "tcp://127.0.0.1:5800",
     )  # fmt: skip
     assert alone.spec() == decode
     assert instance_command(alone, alone.spec(), MODEL) == instance_command(
         cluster, decode, MODEL
     )
     assert alone.backends() == decode.backends("kvpush")
+    assert [b.kv_events_endpoint for b in alone.backends()] == [
+        "tcp://127.0.0.1:5800",
+        "tcp://127.0.0.1:5801",
+    ]
 
 
 @pytest.mark.parametrize(("mode", "port"), [("kvpush", 5604), ("vllm-pull", 5602)])

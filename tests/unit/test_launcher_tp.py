@@ -153,11 +153,15 @@ def test_side_channel_ranges_never_overlap(
 
 def test_side_channel_ranges_that_reach_the_http_ports_are_refused() -> None:
     # 2 instances x stride 8 from 8090 would cover 8100..8105
-    with pytest.raises(ValueError, match=r"overlap \(HTTP 8100..8101, side .*8105"):
+    with pytest.raises(
+        ValueError,
+        match=r"base_http_port and base_side_channel_port ranges overlap "
+        r"\(8100\.\.8101 and 8090\.\.8105",
+    ):
         ClusterConfig(mode="kvpush", decode_tp=8, base_side_channel_port=8090)
     with pytest.raises(ValueError, match="65535"):
         ClusterConfig(mode="kvpush", prefill_tp=4, base_side_channel_port=65530)
-    with pytest.raises(ValueError, match="router port 5603"):
+    with pytest.raises(ValueError, match=r"port and base_side_channel_port .*5603"):
         ClusterConfig(mode="kvpush", prefill_tp=4, port=5603)
 
 

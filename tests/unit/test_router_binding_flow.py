@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvpush.router.binding import BindingPolicy
 from kvpush.router.config import RoutingConfig
 from kvpush.router.prefix import rendezvous_order
 from kvpush.telemetry import names
@@ -246,10 +247,23 @@ async def test_a_late_prefill_that_fails_reaches_no_decode() -> None:
     assert all(d.received == [] for d in r.cluster.decodes)
 
 
-async def test_auto_binding_needs_kvpush_mode() -> None:
+@pytest.mark.parametrize("binding", ["late", "skip"])
+async def test_a_forced_binding_other_than_early_needs_kvpush_mode(
+    binding: BindingPolicy,
+) -> None:
     with pytest.raises(ValueError, match="needs kvpush mode"):
-        async with routed("vllm-push", routing=RoutingConfig(binding="auto")):
+        async with routed("vllm-push", routing=RoutingConfig(binding=binding)):
             pass
+
+
+async def test_the_default_binding_is_auto_and_other_modes_bind_early() -> None:
+    """kvpush mode decides per request by default; the same default in
+    vllm-push mode sends both legs, as that mode always does."""
+    assert RoutingConfig().binding == "auto"
+    async with routed("vllm-push") as r:
+        reply = await r.post("/v1/completions", COMPLETION)
+        assert reply.status == 200
+        assert len(r.cluster.prefills[0].received) == 1
 
 
 async def _until_read(r: Routed) -> None:

@@ -286,7 +286,10 @@ async def test_kvpush_decode_falls_back_when_no_retry_can_follow(
     prefill loses its leg, not the request: kvpush's decode sees the same
     dead peer and computes the prompt itself."""
     dead = {"prefill0": dead_url()}
-    async with routed("kvpush", url_overrides=dead, max_attempts=max_attempts) as r:
+    early = RoutingConfig(binding="early")  # auto would retry it as a skip
+    async with routed(
+        "kvpush", url_overrides=dead, max_attempts=max_attempts, routing=early
+    ) as r:
         (decode,) = r.cluster.decodes
         decode.kv_fallback, decode.kv_wait_s = True, 0.2
         reply = await r.post(PATH, COMPLETION)
