@@ -51,6 +51,8 @@ def metrics_of(st: PointStats) -> Metrics:
         ttft_p90_ms=pct(st.ttft_ms, "p90"),
         ttft_p99_ms=pct(st.ttft_ms, "p99"),
         ttft_mean_ms=pct(st.ttft_ms, "mean"),
+        ttst_p50_ms=pct(st.ttst_ms, "p50"),
+        ttst_p99_ms=pct(st.ttst_ms, "p99"),
         tpot_p50_ms=pct(st.tpot_ms, "p50"),
         tpot_p99_ms=pct(st.tpot_ms, "p99"),
         itl_p50_ms=pct(st.itl_ms, "p50"),

@@ -35,6 +35,8 @@ CONNECTORS = ("vllm-pull", "vllm-push")  # vLLM's own, kvpush's references
 FIGURES: tuple[tuple[str, str], ...] = (
     ("TTFT p50", "ttft_p50_ms"),
     ("TTFT p99", "ttft_p99_ms"),
+    ("TTST p50", "ttst_p50_ms"),
+    ("TTST p99", "ttst_p99_ms"),
     ("TPOT p50", "tpot_p50_ms"),
     ("TPOT p99", "tpot_p99_ms"),
     ("ITL p50", "itl_p50_ms"),
@@ -118,11 +120,20 @@ def ratio_columns(s: SectionResults) -> list[tuple[str, str]]:
     ]
 
 
+def figure_columns(s: SectionResults) -> list[tuple[str, str]]:
+    """The figures some headline row has (a section older than a figure
+    does not show its column)."""
+    names = headline_configs(s)
+    measured = [m for p in s.points for c in names for m in s.measured(p, c)]
+    return [(label, f) for label, f in FIGURES if median_of(measured, f) is not None]
+
+
 def headline_table(s: SectionResults) -> str:
     """kvpush's figures (median over rounds) and its ratios to vLLM's
     connectors at every point."""
     ratios = ratio_columns(s)
-    header = ["point", "config", *(f"{label}" for label, _ in FIGURES)]
+    figures = figure_columns(s)
+    header = ["point", "config", *(label for label, _ in figures)]
     header += [f"{fig} ÷ {ref}" for fig, ref in ratios]
     rows = []
     for point in s.points:
@@ -131,7 +142,7 @@ def headline_table(s: SectionResults) -> str:
             if not measured:
                 continue
             cells = [point, config]
-            cells += [number(median_of(measured, f), f) for _, f in FIGURES]
+            cells += [number(median_of(measured, f), f) for _, f in figures]
             for fig, ref in ratios:
                 r = s.ratio(point, config, fig, ref)
                 cells.append("–" if r is None else spread_text(r.spread, r.side))
@@ -178,11 +189,12 @@ def _setup(sections: Sequence[SectionResults]) -> str:
         "versions and workload are in its details. Compare configurations only "
         "through ratios within one section: absolute figures are this machine's.",
         "- **Headline columns:** kvpush's client-side figures as `vllm bench "
-        "serve` defines them (ms; out tok/s = output tokens per second), the "
-        "median over rounds; **÷ vllm-pull / vllm-push**: kvpush's figure over "
-        "that vLLM connector's, taken within each round, median [min–max] over "
-        "the rounds (below 1: kvpush lower); **bold**: every round on the same "
-        "side of 1. –: not measured, or not kept by a migrated section.",
+        "serve` defines them (ms; TTST: time to the second token; out tok/s = "
+        "output tokens per second), the median over rounds; **÷ vllm-pull / "
+        "vllm-push**: kvpush's figure over that vLLM connector's, taken within "
+        "each round, median [min–max] over the rounds (below 1: kvpush "
+        "lower); **bold**: every round on the same side of 1. –: not "
+        "measured, or not kept by a migrated section.",
     ]
     return "\n".join(lines)
 

@@ -67,6 +67,7 @@ def goodput_of(
 FIGURES: tuple[tuple[str, Getter], ...] = (
     ("TTFT p50", stat_of("ttft_ms", "p50")),
     ("TTFT p99", stat_of("ttft_ms", "p99")),
+    ("TTST p50", stat_of("ttst_ms", "p50")),
     ("TPOT p50", stat_of("tpot_ms", "p50")),
     ("TPOT p99", stat_of("tpot_ms", "p99")),
     ("overhead", overhead_of),

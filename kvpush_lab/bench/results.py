@@ -72,6 +72,8 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True):
     ttft_p90_ms: float | None = None
     ttft_p99_ms: float | None = None
     ttft_mean_ms: float | None = None
+    ttst_p50_ms: float | None = None  # time to the second token
+    ttst_p99_ms: float | None = None
     tpot_p50_ms: float | None = None
     tpot_p99_ms: float | None = None
     itl_p50_ms: float | None = None

@@ -93,6 +93,15 @@ def tpot_s(rec: RequestRecord) -> float | None:
     return (last - first) / (rec.num_output_tokens - 1)
 
 
+def ttst_s(rec: RequestRecord) -> float | None:
+    """Time to the second token: when the second chunk carrying a token
+    arrived (the first, when it carried both; None below two tokens)."""
+    times = rec.token_times_s
+    if not rec.is_ok or not times or rec.num_output_tokens < 2:
+        return None
+    return times[1] if len(times) > 1 else times[0]
+
+
 def is_one_burst(rec: RequestRecord) -> bool:
     """Two or more tokens, all received within BURST_S of each other."""
     first, last = ttft_s(rec), e2e_s(rec)
@@ -127,6 +136,7 @@ class PointStats(msgspec.Struct, frozen=True, kw_only=True):
     itl_ms: Dist | None
     e2e_ms: Dist | None
     num_one_burst: int = 0
+    ttst_ms: Dist | None = None  # time to the second token
 
 
 def summarize_point(records: Sequence[RequestRecord]) -> PointStats:
@@ -150,6 +160,7 @@ def summarize_point(records: Sequence[RequestRecord]) -> PointStats:
         itl_ms=_ms(gap for r in ok for gap in itls_s(r)),
         e2e_ms=_ms(e2e_s(r) for r in ok),
         num_one_burst=sum(is_one_burst(r) for r in ok),
+        ttst_ms=_ms(ttst_s(r) for r in ok),
     )
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from kvpush_lab.bench.export import results_of_run
 from kvpush_lab.bench.render import (
+    headline_table,
     load_all,
     main,
     ordered,
@@ -167,6 +168,25 @@ def test_the_headline_shows_kvpush_figures_and_its_ratios_to_vllm() -> None:
     assert "[details](docs/bench/qps-sweep/README.md)" in text
     assert "![Title of qps-sweep: TTFT against QPS]" in text
     assert "target" not in text.lower()
+
+
+def test_the_time_to_second_token_shows_where_a_section_measured_it() -> None:
+    old = section()
+    new = msgspec.structs.replace(
+        old,
+        measurements=[
+            msgspec.structs.replace(
+                m,
+                metrics=msgspec.structs.replace(
+                    m.metrics, ttst_p50_ms=80.0 + i, ttst_p99_ms=150.0
+                ),
+            )
+            for i, m in enumerate(old.measurements)
+        ],
+    )
+    assert "TTST" not in headline_table(old)
+    header = headline_table(new).splitlines()[0]
+    assert "| TTFT p99 | TTST p50 | TTST p99 | TPOT p50 |" in header
 
 
 def test_sections_are_ordered_prompt_sweep_first_then_others_listed() -> None:

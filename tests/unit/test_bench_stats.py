@@ -15,6 +15,7 @@ from kvpush_lab.bench.stats import (
     summarize_point,
     tpot_s,
     ttft_s,
+    ttst_s,
 )
 
 
@@ -91,6 +92,18 @@ def test_ttft_is_first_token_and_tpot_spreads_the_rest() -> None:
     rec = record(token_times=[0.100, 0.110, 0.130, 0.160], output_tokens=4)
     assert ttft_s(rec) == pytest.approx(0.100)
     assert tpot_s(rec) == pytest.approx((0.160 - 0.100) / 3)
+
+
+def test_ttst_is_the_second_token_or_the_first_chunk_carrying_two() -> None:
+    rec = record(token_times=[0.100, 0.110, 0.130, 0.160], output_tokens=4)
+    assert ttst_s(rec) == pytest.approx(0.110)
+    both = record(token_times=[0.2], output_tokens=2, output_len=2)
+    assert ttst_s(both) == pytest.approx(0.2)
+    one = record(token_times=[0.05], output_tokens=1, output_len=1)
+    assert ttst_s(one) is None
+    assert ttst_s(record(token_times=[0.1, 0.2], error="timeout")) is None
+    stats = summarize_point([rec, both, one])
+    assert stats.ttst_ms is not None and stats.ttst_ms.n == 2
 
 
 def test_tpot_uses_the_servers_token_count_over_chunks() -> None:
