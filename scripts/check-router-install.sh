@@ -32,7 +32,7 @@ vpy="$work/venv/bin/python"
 # Nothing of the connector's stack came with it.
 "$vpy" - <<'EOF'
 import importlib.util
-present = [m for m in ("torch", "vllm", "nixl", "nixl_cu12", "nixl_cu13", "zmq",
+present = [m for m in ("torch", "vllm", "nixl", "nixl_cu12", "nixl_cu13",
                      "transformers")
            if importlib.util.find_spec(m) is not None]
 assert not present, f"the base install brought {present}"
