@@ -152,6 +152,16 @@ class _Publisher:
         self.context.term()
 
 
+def _publishing_decode() -> tuple[str, Backend]:
+    """A free loopback endpoint and a decode whose events come there."""
+    endpoint = _free_endpoint()
+    decode = Backend(
+        role="decode", url="http://d:1", engine_id="decode0",
+        kv_events_endpoint=endpoint,
+    )  # fmt: skip
+    return endpoint, decode
+
+
 def _free_endpoint() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -174,11 +184,7 @@ async def _until(check: Callable[[], bool]) -> None:
 
 
 async def test_the_feed_follows_a_decode_and_forgets_it_after_a_gap() -> None:
-    endpoint = _free_endpoint()
-    decode = Backend(
-        role="decode", url="http://d:1", engine_id="decode0",
-        kv_events_endpoint=endpoint,
-    )  # fmt: skip
+    endpoint, decode = _publishing_decode()
     prefill = Backend(role="prefill", url="http://p:1", engine_id="prefill0")
     index, metrics = PrefixIndex(100), RouterMetrics("kvpush")
     feed = KvEventFeed((prefill, decode), index, BS, metrics)
@@ -207,11 +213,7 @@ async def test_the_feed_follows_a_decode_and_forgets_it_after_a_gap() -> None:
 
 
 async def test_an_endpoint_another_router_holds_is_left_and_counted() -> None:
-    endpoint = _free_endpoint()
-    decode = Backend(
-        role="decode", url="http://d:1", engine_id="decode0",
-        kv_events_endpoint=endpoint,
-    )  # fmt: skip
+    endpoint, decode = _publishing_decode()
     first_metrics, second_metrics = RouterMetrics("kvpush"), RouterMetrics("kvpush")
     first = KvEventFeed((decode,), PrefixIndex(10), BS, first_metrics)
     second = KvEventFeed((decode,), PrefixIndex(10), BS, second_metrics)
