@@ -220,7 +220,13 @@ def wait_transfer_phase(
         return tid if tid is not None and event in phases(cluster, tid) else None
 
     tid = wait_for(reached, timeout_s)
-    assert tid, f"request {client_id} never reached {event}"
+    if not tid:  # say how far it got, and what each instance counted
+        seen = transfer_of(cluster, client_id)
+        got = sorted(phases(cluster, seen)) if seen else "no registration"
+        raise AssertionError(
+            f"request {client_id} never reached {event}: {seen} reached {got};"
+            f" counts: {dict(counters(cluster))}"
+        )
     return str(tid)
 
 

@@ -22,6 +22,7 @@ from kvpush.connector.decode.worker import DecodeWorker
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
 from kvpush.transfer.messages import (
     Cause,
+    Done,
     Failure,
     Hello,
     HelloReply,
@@ -256,4 +257,30 @@ def test_a_failure_forwarded_by_decodes_scheduler_still_frees_at_once(link):
     assert link.rig.replies_to(link.scheduler_route, Failure)[0].cause is (
         Cause.CANCELLED
     )
+    assert_idle(link.worker)
+
+
+def test_a_done_that_answers_a_reconcile_is_traced_as_the_notification(link):
+    """A Reconcile's answer can be the first word decode gets that the KV
+    landed: the receive then ends without the NIXL notification (decode
+    stops reading NIXL once nothing is awaited), so the Done on the side
+    channel is the transfer's ``notif_received``, or its timeline has no
+    end and the push looks like it never arrived."""
+    marks: list[tuple[str, str]] = []
+    mark = link.worker.tracer.mark
+
+    def recording(transfer_id: str, event: str, **extra: object) -> None:
+        marks.append((transfer_id, event))
+        mark(transfer_id, event, **extra)
+
+    link.worker.tracer.mark = recording  # type: ignore[method-assign]
+    link.step()
+    link.step()
+    recv = RecvExpect("r1", "t1", DST["t1"], "p0", *REMOTE)
+    link.worker.bind(DecodeMetadata(expects=[recv]))  # (prefill's side aside)
+    link.peers.queue_reply(Done("t1", "p0", num_blocks=4), REMOTE)
+
+    assert link.step() == {"r1"}
+    assert link.worker.take_load_errors() == set(), "the KV landed"
+    assert ("t1", "notif_received") in marks
     assert_idle(link.worker)

@@ -241,6 +241,9 @@ class DecodeWorker:
             elif isinstance(msg, HelloReply):
                 self._hello_reply(address, msg)
             elif isinstance(msg, Done):  # a Reconcile's answer: the KV landed
+                # It may end the receive before NIXL's own notification is
+                # read (NIXL is not read once nothing is awaited).
+                self.tracer.mark(msg.transfer_id, "notif_received", via="reconcile")
                 self._receiver.done(msg.transfer_id, msg.rank, now, msg.digest)
 
     def _read_control(self, now: float) -> None:
