@@ -105,7 +105,9 @@ class DecodeWorker:
         self._prefill_boots: dict[Address, str] = {}  # from their HelloReply
         # wall-clock time each of those boots was first heard (forget's guard)
         self._boot_since: dict[Address, float] = {}
-        self._to_reconcile: set[Address] = set()  # went down off loopback
+        # Off loopback, each prefill whose connection went down, with the
+        # receives awaited from it then (:meth:`_reconcile`).
+        self._to_reconcile: dict[Address, set[str]] = {}
         self._receiver = Receiver(
             config.registration_ttl_s,
             self.counters,
@@ -314,15 +316,24 @@ class DecodeWorker:
             )
             self._receiver.peer_refused(address)
         elif address in self._to_reconcile:
-            self._reconcile(address)
-        self._to_reconcile.discard(address)
+            self._reconcile(address, self._to_reconcile[address])
+        self._to_reconcile.pop(address, None)
 
-    def _reconcile(self, address: Address) -> None:
+    def _reconcile(self, address: Address, lost: set[str]) -> None:
         """The connection to ``address`` came back (off loopback): what
-        prefill sent us while it was down is lost, so name every receive
-        still awaited from it; prefill answers each it no longer holds with
-        its final word (:mod:`kvpush.connector.prefill.reconcile`)."""
-        ids = self._receiver.awaited_ids(address)
+        either side sent on it while it was going down may be lost, so name
+        each receive still awaited from it of those (``lost``) that were
+        awaited when it went down; prefill answers each it no longer holds
+        with its final word (:mod:`kvpush.connector.prefill.reconcile`).
+
+        Not the receives expected since: their Registrations go on decode's
+        scheduler socket, which may deliver them after this Reconcile, and
+        prefill closes every id it has not heard of, so naming one would
+        fail a healthy transfer. (This is what happens when the connection
+        dropped while decode was idle: decode reads the news at its next
+        step, the one that registers the next request.) A Registration lost
+        in the same step the loss is read is settled by decode's deadline."""
+        ids = [t for t in self._receiver.awaited_ids(address) if t in lost]
         for start in range(0, len(ids), MAX_IDS_PER_MESSAGE):
             chunk = tuple(ids[start : start + MAX_IDS_PER_MESSAGE])
             ask = Reconcile(self.config.engine_id, self.config.boot_id, chunk)
@@ -357,7 +368,9 @@ class DecodeWorker:
                 self._boot_since.pop(address, None)
                 self._receiver.peer_lost(address)
             else:
-                self._to_reconcile.add(address)
+                # (those of an earlier loss still awaited are among them)
+                awaited = self._receiver.awaited_ids(address)
+                self._to_reconcile[address] = set(awaited)
 
     def reserved_blocks(self) -> int:
         """Destination blocks still reserved for transfers."""
