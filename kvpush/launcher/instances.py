@@ -145,19 +145,25 @@ class InstanceSpec:
             raise ValueError(f"instance {self.name} has no run directory")
         return self.run_dir / f"{self.name}.log"
 
-    def engine_kv_events_endpoint(self, dp_rank: int = 0) -> str | None:
-        """Where DP rank ``dp_rank``'s KV cache events go (None: nowhere)."""
+    def _kv_events_base(self) -> tuple[str, int] | None:
+        """``kv_events_endpoint`` as (``tcp://HOST``, PORT): DP rank 0's."""
         if self.kv_events_endpoint is None:
             return None
         host, port = self.kv_events_endpoint.rsplit(":", 1)
-        return f"{host}:{int(port) + dp_rank}"
+        return host, int(port)
+
+    def engine_kv_events_endpoint(self, dp_rank: int = 0) -> str | None:
+        """Where DP rank ``dp_rank``'s KV cache events go (None: nowhere)."""
+        base = self._kv_events_base()
+        return None if base is None else f"{base[0]}:{base[1] + dp_rank}"
 
     @property
     def kv_events_ports(self) -> range:
         """The router's ports for its engines' KV cache events (may be none)."""
-        if self.kv_events_endpoint is None:
+        base = self._kv_events_base()
+        if base is None:
             return range(0)
-        first = int(self.kv_events_endpoint.rsplit(":", 1)[1]) + (self.dp_rank or 0)
+        first = base[1] + (self.dp_rank or 0)
         return range(first, first + (1 if self.dp_rank is not None else self.dp))
 
     def backend(self) -> Backend:

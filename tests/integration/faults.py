@@ -6,6 +6,7 @@ blocks."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import http.client
 import json
 import os
@@ -16,6 +17,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from kvpush.transfer.messages import (
 from tests.fakes.fake_nixl import wait_for
 from tests.fakes.metrics import metric
 from tests.integration import workload
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, start_cluster
 
 # The fault suites' cluster settings: short deadlines so each fault takes
 # seconds (registrations live 8 s, finished KV waits 4 s for its
@@ -51,6 +53,18 @@ SHORT_DEADLINES: dict[str, Any] = {
     "max_num_batched_tokens": 64,
 }
 FAULT_RELOAD_S = 0.3  # the connector looks at the fault file every 0.1 s
+
+
+@contextlib.contextmanager
+def fault_cluster(model_dir: Path, run_dir: Path, **options: Any) -> Iterator[Cluster]:
+    """A kvpush cluster with :data:`SHORT_DEADLINES` and ``options``; no
+    fault left set when it stops."""
+    c = start_cluster("kvpush", model_dir, run_dir, **{**SHORT_DEADLINES, **options})
+    try:
+        yield c
+    finally:
+        set_faults(c)
+        c.stop()
 
 
 def restore(cluster: Cluster) -> None:

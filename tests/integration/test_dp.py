@@ -23,7 +23,7 @@ import pytest
 from kvpush.router import admin_client
 from tests.fakes.fake_nixl import wait_for
 from tests.integration import faults, workload
-from tests.integration.conftest import Cluster, start_cluster
+from tests.integration.conftest import Cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
 
 pytestmark = pytest.mark.integration
@@ -73,15 +73,9 @@ DEADLINE_S = 60.0
 def dp_fault_cluster(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    c = start_cluster(
-        "kvpush", model_dir, tmp_path_factory.mktemp("dp-faults"),
-        **{**faults.SHORT_DEADLINES, "prefill_dp": 2, "decode_dp": 2},
-    )  # fmt: skip
-    try:
+    run_dir = tmp_path_factory.mktemp("dp-faults")
+    with faults.fault_cluster(model_dir, run_dir, prefill_dp=2, decode_dp=2) as c:
         yield c
-    finally:
-        faults.set_faults(c)
-        c.stop()
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import pytest
 from kvpush import client
 from tests.fakes.fake_nixl import wait_for
 from tests.integration import faults, workload
-from tests.integration.conftest import Cluster, start_cluster
+from tests.integration.conftest import Cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
 
 pytestmark = pytest.mark.integration
@@ -78,15 +78,9 @@ class TestKvPushPrefillTp2DecodeTp2(PDChecks):
 def tp_fault_cluster(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    c = start_cluster(
-        "kvpush", model_dir, tmp_path_factory.mktemp("tp-faults"),
-        **{**faults.SHORT_DEADLINES, "prefill_tp": 2, "decode_tp": 1},
-    )  # fmt: skip
-    try:
+    run_dir = tmp_path_factory.mktemp("tp-faults")
+    with faults.fault_cluster(model_dir, run_dir, prefill_tp=2, decode_tp=1) as c:
         yield c
-    finally:
-        faults.set_faults(c)
-        c.stop()
 
 
 def test_kill_one_prefill_rank_during_its_transfer(tp_fault_cluster, reference):
