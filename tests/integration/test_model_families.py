@@ -57,9 +57,7 @@ class FamilyChecks(PDChecks):
         return workload.run_all(cluster.instance_url("prefill0"))
 
 
-# ``make long``, not CI: each is a cluster of its own (about 75 s here), and
-# CI's 40-minute budget is spent. Last run: docs/model-families.md.
-@pytest.mark.long
+# In CI: one cluster per preset (about 75 s each here, fp8 40 s).
 class TestKvPushMoe(FamilyChecks):
     """Qwen3-MoE-style experts: one full-attention group, as dense."""
 
@@ -70,7 +68,6 @@ class TestKvPushMoe(FamilyChecks):
     }
 
 
-@pytest.mark.long
 class TestKvPushSlidingWindow(FamilyChecks):
     """Gemma-3-style sliding-window layers (window 128) between full ones:
     with vLLM's hybrid KV-cache manager off (kvpush lacks ``SupportsHMA``)
@@ -92,7 +89,6 @@ def _no_fp8_kv_here() -> bool:
         return True
 
 
-@pytest.mark.long
 @pytest.mark.skipif(_no_fp8_kv_here(), reason="this CPU has no AVX-512: no fp8 KV")
 class TestKvPushFp8Kv(FamilyChecks):
     """The dense model with a per-tensor fp8 KV cache (``--kv-cache-dtype
