@@ -3,8 +3,9 @@ feeds the :class:`~kvpush.router.signals.SignalBoard`.
 
 ``routing.py`` starts one :class:`SignalScraper` with the app's HTTP client
 (kvpush mode only) and closes it before the client. It runs one task per
-instance, named ``signals-<engine id>``, that reads ``GET /metrics`` (each
-bounded by ``timeout_s``) every ``interval_s`` and records a good read on
+instance, named ``signals-<engine id>``, that reads ``GET /metrics``, asking
+for :data:`~kvpush.router.signals.SCRAPED_SAMPLES` only (each read
+bounded by ``timeout_s``), every ``interval_s`` and records a good read on
 the board with its time. A failed or unparsable read records nothing: the
 previous read ages out (``signal_max_age_s``) and the instance's load becomes
 unknown, never idle.
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from kvpush.router.signals import SignalBoard, parse_scrape
+from kvpush.router.signals import SCRAPED_SAMPLES, SignalBoard, parse_scrape
 from kvpush.router.tasks import cancel_all
 from kvpush.topology import Backend
 
@@ -33,9 +34,10 @@ async def read_metrics(
 ) -> str | None:
     """``backend``'s ``/metrics`` text, or None (logged at debug level)."""
     url = backend.url.rstrip("/") + "/metrics"
+    query = [("name[]", sample) for sample in SCRAPED_SAMPLES]
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.get(url) as resp:
+            async with session.get(url, params=query) as resp:
                 if resp.status != 200:
                     logger.debug("signals of %s: %d", backend.engine_id, resp.status)
                     return None

@@ -49,6 +49,21 @@ class Scrape:
     bytes_in_flight: dict[str, float] = field(default_factory=dict)
 
 
+# The samples parse_scrape reads. The scraper asks ``/metrics`` for these
+# alone (prometheus_client's ``?name[]=``, which vLLM's endpoint serves):
+# vLLM's whole exposition is thousands of lines, and rendering it on the
+# instance and parsing it on the router's event loop every second cost both
+# (the router's relays stall while it parses).
+SCRAPED_SAMPLES: tuple[str, ...] = (
+    names.NUM_REQUESTS_WAITING.sample,
+    names.NUM_REQUESTS_RUNNING.sample,
+    names.KV_CACHE_USAGE.sample,
+    names.KVPUSH_PEER_HANDOVER_SECONDS.sum,
+    names.KVPUSH_PEER_HANDOVER_SECONDS.count,
+    names.KVPUSH_PEER_BYTES_IN_FLIGHT.sample,
+)
+
+
 def parse_scrape(text: str, engine: int | None = None) -> Scrape:
     """The signals in one ``/metrics`` text (``ValueError`` if it does not
     parse): of every engine, or of vLLM's engine ``engine`` alone (one DP
