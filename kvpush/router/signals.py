@@ -52,8 +52,8 @@ class Scrape:
 # The samples parse_scrape reads. The scraper asks ``/metrics`` for these
 # alone (prometheus_client's ``?name[]=``, which vLLM's endpoint serves):
 # vLLM's whole exposition is thousands of lines, and rendering it on the
-# instance and parsing it on the router's event loop every second cost both
-# (the router's relays stall while it parses).
+# instance and parsing it on the router's event loop (where every relay
+# runs) every second cost both.
 SCRAPED_SAMPLES: tuple[str, ...] = (
     names.NUM_REQUESTS_WAITING.sample,
     names.NUM_REQUESTS_RUNNING.sample,
