@@ -12,10 +12,16 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    generate_latest,
+    make_wsgi_app,
+)
 
 from kvpush.router.scraper import SignalScraper
-from kvpush.router.signals import SignalBoard
+from kvpush.router.signals import SignalBoard, parse_scrape
 from kvpush.topology import Backend
 
 LABELS = ("model_name", "engine")
@@ -86,7 +92,8 @@ class MetricsServer:
 
 
 async def test_the_scraper_reads_only_the_samples_it_needs() -> None:
-    server = MetricsServer(vllm_registry())
+    registry = vllm_registry()
+    server = MetricsServer(registry)
     url = await server.start()
     board = SignalBoard(max_age_s=10.0)
     scraper = SignalScraper([], board, interval_s=1.0, timeout_s=5.0)
@@ -100,6 +107,8 @@ async def test_the_scraper_reads_only_the_samples_it_needs() -> None:
     (body,) = server.bodies
     assert "vllm:num_requests_running" in body
     assert "time_to_first_token" not in body, "the whole exposition was asked for"
+    whole = generate_latest(registry).decode()
+    assert parse_scrape(body) == parse_scrape(whole), "a signal was filtered out"
     now = time.monotonic()
     signals = board.signals("prefill0", now)
     assert signals is not None
