@@ -137,6 +137,7 @@ ROUTING_OPTIONS = (
     "session_header",
     "signal_interval_s",
     "signal_max_age_s",
+    "first_token_from",
 )
 
 
@@ -151,6 +152,13 @@ def _add_router_routing_options(p: argparse.ArgumentParser) -> None:
         "the prefill leg first and chooses the decode when its KV is ready, "
         "skip never sends a prefill leg (default auto; other modes always "
         "bind early)",
+    )
+    p.add_argument(
+        "--first-token-from",
+        choices=["prefill", "decode"],
+        help="kvpush mode: a streamed request with a prefill leg gets its "
+        "first token from prefill's answer, as soon as it comes, or from "
+        "decode (default prefill)",
     )
     p.add_argument(
         "--skip-max-new-tokens",
@@ -505,11 +513,23 @@ def _cmd_router(args: argparse.Namespace) -> int:
         topology=load_topology(args.topology),
         host=args.host,
         port=args.port,
-        routing=RoutingConfig(**routing),
+        routing=RoutingConfig(**_routing_values(routing)),
         **options,
     )
     run_router(config)
     return 0
+
+
+def _routing_values(options: dict[str, Any]) -> dict[str, Any]:
+    """The routing options as RoutingConfig takes them (enums for names)."""
+    from kvpush.router.config import FirstTokenFrom
+
+    if "first_token_from" in options:
+        options = {
+            **options,
+            "first_token_from": FirstTokenFrom(options["first_token_from"]),
+        }
+    return options
 
 
 # The product's subcommands, in ``kvpush --help``'s order: name -> (help line,

@@ -7,6 +7,7 @@ nothing in the router reads the environment or mutates this object.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from kvpush.router.binding import (
     DEFAULT_LATE_MIN_BUSY,
@@ -21,6 +22,14 @@ from kvpush.topology import Topology
 SUPPORTED_MODES: tuple[str, ...] = ("colocated", "vllm-pull", "vllm-push", "kvpush")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class FirstTokenFrom(Enum):
+    """Which leg's first token a streamed kvpush request reads first
+    (``first_token.py``): prefill's, as soon as it answers, or decode's."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,10 @@ class RoutingConfig:
     ``/metrics``, ``signal_max_age_s`` the age past which a read is unknown;
     ``tokenize_timeout_s`` bounds counting a prompt (``/tokenize``);
     ``full_scan_max``: up to this many candidates all are scored, above it
-    two random ones (power of two choices).
+    two random ones (power of two choices);
+    ``first_token_from``: a streamed request with a prefill leg gets its
+    first token from prefill's answer (``first_token.py`` says which
+    requests cannot) or from decode.
     """
 
     binding: BindingPolicy = "auto"
@@ -59,9 +71,16 @@ class RoutingConfig:
     tokenize_timeout_s: float = 1.0
     full_scan_max: int = 4
     weights: ScoreWeights = field(default_factory=ScoreWeights)
+    first_token_from: FirstTokenFrom = FirstTokenFrom.PREFILL
 
     def __post_init__(self) -> None:
         check_policy(self.binding)
+        if not isinstance(self.first_token_from, FirstTokenFrom):
+            raise ValueError(
+                f"first_token_from must be one of "
+                f"{', '.join(f.value for f in FirstTokenFrom)}, "
+                f"not {self.first_token_from!r}"
+            )
         if self.skip_max_new_tokens < 0:
             raise ValueError(
                 f"skip_max_new_tokens must be >= 0 (0: skip only full hits), "

@@ -103,6 +103,8 @@ class FlowContext:
     routing: RoutePlanning | None = None  # kvpush mode's planner
     prompt: Prompt | None = None  # counted once per request (kvpush mode)
     response_headers: dict[str, str] = field(default_factory=dict)  # this attempt's
+    # fields both legs of this attempt add (the first token from prefill's)
+    leg_fields: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.attempts = Attempts(max_attempts=self.config.max_attempts)
@@ -157,4 +159,5 @@ class FlowContext:
         self.release()
         self.legs = Legs()
         self.response_headers = {}
+        self.leg_fields = {}
         self.attempts.start_next(err)

@@ -27,8 +27,17 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.router.config import FirstTokenFrom
 from kvpush.router.context import ClientGone, FlowContext
 from kvpush.router.errors import RouterError, upstream_timeout
+from kvpush.router.first_token import (
+    DecodeEcho,
+    Outcome,
+    blocker,
+    leg_fields,
+    read_answer,
+)
+from kvpush.router.first_token_flow import follow, stream_first
 from kvpush.router.legs import is_connection_lost, open_first, run_prefill
 from kvpush.router.planner import RoutePlan
 from kvpush.router.relay import relay, reply_error
@@ -174,6 +183,7 @@ async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
         raise RuntimeError("kvpush mode needs the router's Routing")
     plan = await ctx.routing.plan(ctx)
     prefill = plan.prefill
+    ctx.leg_fields = _first_token_fields(ctx) if prefill is not None else {}
     if prefill is None:
         ctx.take(plan.decode)
         response, first = await open_first(ctx, "decode", plan.decode, ctx.parsed.raw)
@@ -185,6 +195,50 @@ async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
         ctx.take(prefill)
         out = await _early_flow(ctx, prefill, plan.decode)
     ctx.routing.served(plan)
+    return out
+
+
+def _first_token_fields(ctx: FlowContext) -> dict[str, Any]:
+    """The fields both legs get when the first token comes from prefill
+    (none when it comes from decode: the option, or a request it cannot
+    serve exactly, ``first_token.blocker``)."""
+    if ctx.config.routing.first_token_from is not FirstTokenFrom.PREFILL:
+        return {}
+    reason = blocker(ctx.parsed)
+    if reason is not None:
+        logger.debug("request %s: first token from decode: %s", ctx.request_id, reason)
+        return {}
+    return leg_fields(ctx.parsed)
+
+
+def _decode_rewrite(ctx: FlowContext) -> Callable[[bytes], bytes] | None:
+    """Decode's stream as the client asked it: without the token ids the
+    legs asked for when the first token was to come from prefill."""
+    return DecodeEcho(ctx.parsed, None).feed if ctx.leg_fields else None
+
+
+async def _first_from_prefill(
+    ctx: FlowContext,
+    prefill_task: asyncio.Task[bytes],
+    decode_task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
+    decode: Backend,
+) -> web.StreamResponse | None:
+    """Both legs in flight: once prefill answered, the client's stream opens
+    with its first token and follows decode's (``first_token_flow.py``).
+    None when decode answered first, prefill failed or its answer has no
+    token ids: the flow goes on with decode's first token."""
+    await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+    if not prefill_task.done() or prefill_task.cancelled():
+        return None
+    if prefill_task.exception() is not None:
+        return None
+    first = read_answer(prefill_task.result(), ctx.parsed)
+    if first is None:
+        ctx.metrics.first_token(Outcome.UNAVAILABLE.value)
+        return None
+    out = await stream_first(ctx, first)
+    if not ctx.is_client_done:
+        await follow(ctx, out, first, decode, decode_task)
     return out
 
 
@@ -202,19 +256,31 @@ async def _late_flow(
         raise RuntimeError("kvpush mode needs the router's Routing")
     transfer_id, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
     ctx.take(prefill)
-    await run_prefill(
+    answer = await run_prefill(
         ctx,
         prefill,
         PrefillLeg(transfer_id=transfer_id, claim_sha256=claim_digest(token)),
     )
-    bound = ctx.routing.bind_late(ctx, plan, prefill)
+    bound = ctx.routing.bind_late(ctx, plan, prefill)  # sets the headers
+    first = read_answer(answer, ctx.parsed) if ctx.leg_fields else None
+    if ctx.leg_fields and first is None:
+        ctx.metrics.first_token(Outcome.UNAVAILABLE.value)
+    client = None if first is None else await stream_first(ctx, first)
+    if client is not None and ctx.is_client_done:
+        return client, bound  # it ended at its first token (KV: ready deadline)
     ctx.take(bound.decode)
     leg = _decode_leg(transfer_id, prefill, claim_token=token)
     decode = bound.decode
-    response, first = await open_first(
-        ctx, "decode", decode, ctx.parsed.decode_body(leg)
+    opened = open_first(
+        ctx, "decode", decode, ctx.parsed.decode_body(leg, ctx.leg_fields)
     )
-    out = await relay(ctx, "decode", decode, response, first)
+    if client is not None and first is not None:
+        await follow(ctx, client, first, decode, opened)
+        return client, bound
+    response, first_bytes = await opened
+    out = await relay(
+        ctx, "decode", decode, response, first_bytes, _decode_rewrite(ctx)
+    )
     return out, bound
 
 
@@ -275,12 +341,17 @@ async def _concurrent_flow(
     prefill_task = ctx.legs.spawn(
         run_prefill(ctx, prefill, prefill_params), "prefill-leg"
     )
+    decode_body = parsed.decode_body(decode_params, ctx.leg_fields)
     decode_task = ctx.legs.spawn(
-        open_first(ctx, "decode", decode, parsed.decode_body(decode_params)),
-        "decode-leg",
+        open_first(ctx, "decode", decode, decode_body), "decode-leg"
     )
+    if ctx.leg_fields:
+        client = await _first_from_prefill(ctx, prefill_task, decode_task, decode)
+        if client is not None:
+            await _settle_prefill(ctx, prefill_task)
+            return client
     response, first = await _await_decode_start(ctx, prefill_task, decode_task)
-    out = await relay(ctx, "decode", decode, response, first)
+    out = await relay(ctx, "decode", decode, response, first, _decode_rewrite(ctx))
     await _settle_prefill(ctx, prefill_task)
     return out
 

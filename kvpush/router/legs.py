@@ -38,7 +38,7 @@ async def run_prefill(
     """Send the prefill leg and return its (successful) answer's body."""
     started, outcome = time.monotonic(), "aborted"
     try:
-        body = ctx.parsed.prefill_body(kv_transfer_params)
+        body = ctx.parsed.prefill_body(kv_transfer_params, ctx.leg_fields)
         response = await open_leg(ctx, "prefill", backend, body)
         body = await read_rest("prefill", backend, response)
         if response.status >= 400:
@@ -46,7 +46,7 @@ async def run_prefill(
             raise RouterError.from_backend(response.status, body, "prefill", backend)
         outcome = "ok"
         ctx.prefill_answered_at = time.monotonic()
-        _note_handover(ctx)
+        note_handover(ctx)
         return body
     except RouterError:
         outcome = "error"
@@ -56,10 +56,11 @@ async def run_prefill(
 
 
 async def open_leg(
-    ctx: FlowContext, leg: str, backend: Backend, body: bytes
+    ctx: FlowContext, leg: str, backend: Backend, body: bytes, path: str | None = None
 ) -> aiohttp.ClientResponse:
-    """POST one leg to ``backend`` (same path as the client's) until headers."""
-    url = backend.url.rstrip("/") + ctx.parsed.path
+    """POST one leg to ``backend`` (by default on the client's path) until
+    headers."""
+    url = backend.url.rstrip("/") + (path or ctx.parsed.path)
     headers = {"X-Request-Id": ctx.leg_request_id, "Content-Type": JSON_CONTENT_TYPE}
     for name in FORWARDED_HEADERS:
         if name in ctx.request.headers:
@@ -77,10 +78,10 @@ async def open_leg(
 
 
 async def open_first(
-    ctx: FlowContext, leg: str, backend: Backend, body: bytes
+    ctx: FlowContext, leg: str, backend: Backend, body: bytes, path: str | None = None
 ) -> tuple[aiohttp.ClientResponse, bytes]:
     """Open a leg and read its first body bytes; an error status raises."""
-    response = await open_leg(ctx, leg, backend, body)
+    response = await open_leg(ctx, leg, backend, body, path)
     if response.status >= 400:
         error_body = await read_rest(leg, backend, response)
         raise RouterError.from_backend(response.status, error_body, leg, backend)
@@ -155,10 +156,10 @@ def note_output(ctx: FlowContext, chunk: bytes, is_sse: bool) -> None:
     ctx.is_ttft_recorded = True
     ctx.first_byte_at = time.monotonic()
     ctx.metrics.observe_ttft(ctx.parsed.endpoint, ctx.first_byte_at - ctx.started_at)
-    _note_handover(ctx)
+    note_handover(ctx)
 
 
-def _note_handover(ctx: FlowContext) -> None:
+def note_handover(ctx: FlowContext) -> None:
     """Once prefill's answer and decode's first byte are both in (whichever
     came second calls this): the router's view of the handover."""
     if ctx.prefill_answered_at is not None and ctx.first_byte_at is not None:

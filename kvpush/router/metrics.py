@@ -73,8 +73,9 @@ class RouterMetrics:
             "router.",
         )  # fmt: skip
         self._ttft = _histogram(
-            reg, names.ROUTER_TTFT, "Time to first byte or SSE event from the "
-            "decode backend.",
+            reg, names.ROUTER_TTFT, "Time to the first byte or SSE event the "
+            "client got (from decode, or from prefill with the first token "
+            "from prefill).",
         )  # fmt: skip
         self._prefill = _histogram(
             reg, names.ROUTER_PREFILL_LEG, "Duration of the prefill leg."
@@ -82,10 +83,17 @@ class RouterMetrics:
         self._handover = _histogram(
             reg, names.ROUTER_HANDOVER,
             "P/D modes: from the prefill leg's whole answer to decode's first "
-            "byte or SSE event, as the router sees them; 0 when decode's came "
+            "byte or SSE event relayed (with the first token from prefill: "
+            "the second token), as the router sees them; 0 when decode's came "
             "first (concurrent legs), so the decode-side wait after prefill.",
             HANDOVER_BUCKETS_S,
         ).labels(mode)  # fmt: skip
+        self._first_token = _counter(
+            reg, names.ROUTER_FIRST_TOKEN, "kvpush mode, first token from "
+            "prefill: streamed requests by how their first token was served "
+            "(prefill, ended: the request ended there, continued: decode "
+            "diverged or failed after it, unavailable: decode's).",
+        )  # fmt: skip
         self._kv_events = _counter(
             reg, names.ROUTER_KV_EVENTS, "kvpush mode: KV cache events read from "
             "each decode by what became of them (stored, removed, cleared, "
@@ -97,6 +105,10 @@ class RouterMetrics:
         """kvpush mode: one KV cache event of a decode (``kv_events.py``'s
         outcomes, plus ``lost``: a gap or restart of its publisher)."""
         self._kv_events.labels(self.mode, instance, outcome).inc()
+
+    def first_token(self, outcome: str) -> None:
+        """kvpush mode: how one streamed request's first token was served."""
+        self._first_token.labels(self.mode, outcome).inc()
 
     def binding(self, binding: str, reason: str) -> None:
         """kvpush mode: one attempt's binding (early, skip) and its reason."""

@@ -8,6 +8,7 @@ write that finds the client gone raises :class:`ClientGone`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -26,29 +27,31 @@ async def relay(
     backend: Backend,
     response: aiohttp.ClientResponse,
     first: bytes,
+    rewrite: Callable[[bytes], bytes] | None = None,
 ) -> web.StreamResponse:
-    """Send a backend's successful answer to the client, streaming SSE as it comes."""
+    """Send a backend's successful answer to the client, streaming SSE as it
+    comes (each piece through ``rewrite`` when given)."""
     content_type = response.headers.get("Content-Type", JSON_CONTENT_TYPE)
     if is_event_stream(response):
         out = web.StreamResponse(
             status=response.status,
             headers={"Content-Type": content_type, "Cache-Control": "no-cache"},
         )
-        await _start_client(ctx, out)
+        await start_client(ctx, out)
         chunk = first
         while chunk:
             note_output(ctx, chunk, True)
-            await _write_client(out, chunk)
+            await write_client(out, chunk if rewrite is None else rewrite(chunk))
             chunk = await read_chunk(leg, backend, response)
         response.release()  # at EOF: the connection goes back to the pool
-        await _finish_client(ctx, out)
+        await finish_client(ctx, out)
         return out
     body = first + await read_rest(leg, backend, response)
     out = web.Response(
         status=response.status, body=body, headers={"Content-Type": content_type}
     )
-    await _start_client(ctx, out)
-    await _finish_client(ctx, out)
+    await start_client(ctx, out)
+    await finish_client(ctx, out)
     return out
 
 
@@ -67,7 +70,7 @@ async def reply_error(ctx: FlowContext, err: RouterError) -> web.StreamResponse:
     return out
 
 
-async def _start_client(ctx: FlowContext, out: web.StreamResponse) -> None:
+async def start_client(ctx: FlowContext, out: web.StreamResponse) -> None:
     out.headers.update(ctx.response_headers)  # kvpush: binding and decode
     try:
         await out.prepare(ctx.request)
@@ -76,14 +79,14 @@ async def _start_client(ctx: FlowContext, out: web.StreamResponse) -> None:
     ctx.client_response = out  # the status line is out: no retry from here on
 
 
-async def _write_client(out: web.StreamResponse, chunk: bytes) -> None:
+async def write_client(out: web.StreamResponse, chunk: bytes) -> None:
     try:
         await out.write(chunk)
     except ConnectionResetError as e:
         raise ClientGone from e
 
 
-async def _finish_client(ctx: FlowContext, out: web.StreamResponse) -> None:
+async def finish_client(ctx: FlowContext, out: web.StreamResponse) -> None:
     try:
         await out.write_eof()
     except ConnectionResetError as e:

@@ -83,14 +83,17 @@ class ParsedRequest:
         body = self.body
         if body.get("prompt_logprobs") is not None:
             return True
-        if not _is_true(body.get("echo")):
+        if not is_true(body.get("echo")):
             return False
         return self.endpoint == "chat" or body.get("logprobs") is not None
 
-    def prefill_body(self, kv_transfer_params: Any = None) -> bytes:
+    def prefill_body(
+        self, kv_transfer_params: Any = None, extra: dict[str, Any] | None = None
+    ) -> bytes:
         """The prefill leg: one token, no streaming, KV kept for a remote
-        decode (vLLM's ``do_remote_decode`` unless other params are given)."""
-        body = dict(self.body)
+        decode (vLLM's ``do_remote_decode`` unless other params are given);
+        ``extra`` fields added (the first token's, ``first_token.py``)."""
+        body = {**self.body, **(extra or {})}
         for key in ("max_completion_tokens", "stream_options", "min_tokens"):
             body.pop(key, None)
         body["max_tokens"] = 1
@@ -102,9 +105,12 @@ class ParsedRequest:
         body["kv_transfer_params"] = msgspec.to_builtins(params)
         return msgspec.json.encode(body)
 
-    def decode_body(self, kv_transfer_params: Any) -> bytes:
-        """The client's body plus ``kv_transfer_params`` (a dict or a struct)."""
-        body = dict(self.body)
+    def decode_body(
+        self, kv_transfer_params: Any, extra: dict[str, Any] | None = None
+    ) -> bytes:
+        """The client's body plus ``kv_transfer_params`` (a dict or a struct)
+        and the ``extra`` fields."""
+        body = {**self.body, **(extra or {})}
         body["kv_transfer_params"] = msgspec.to_builtins(kv_transfer_params)
         return msgspec.json.encode(body)
 
@@ -158,7 +164,7 @@ def returned_kv_params(answer: bytes, prefill: Backend) -> dict[str, Any]:
 _TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
 
 
-def _is_true(value: Any) -> bool:
+def is_true(value: Any) -> bool:
     """Whether vLLM's request model (pydantic, lax) reads ``value`` as true."""
     if isinstance(value, str):
         return value.strip().lower() in _TRUE_STRINGS

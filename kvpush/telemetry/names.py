@@ -168,6 +168,7 @@ ROUTER_PREFILL_LEG = _router(
     "kvpush_router_prefill_leg_seconds", Kind.HISTOGRAM, "outcome"
 )
 ROUTER_HANDOVER = _router("kvpush_router_handover_seconds", Kind.HISTOGRAM)
+ROUTER_FIRST_TOKEN = _router("kvpush_router_first_token", Kind.COUNTER, "outcome")
 ROUTER_KV_EVENTS = _router(
     "kvpush_router_kv_events", Kind.COUNTER, "instance", "outcome"
 )
@@ -182,5 +183,6 @@ ROUTER_FAMILIES = (
     ROUTER_FAILURES, ROUTER_RETRIES, ROUTER_HEALTH_TRANSITIONS,
     ROUTER_INSTANCE_HEALTHY, ROUTER_REQUESTS_IN_FLIGHT, ROUTER_REQUEST_LATENCY,
     ROUTER_TTFT, ROUTER_PREFILL_LEG, ROUTER_HANDOVER, ROUTER_KV_EVENTS,
+    ROUTER_FIRST_TOKEN,
     CONNECTOR_EVENTS,
 )  # fmt: skip

@@ -70,6 +70,18 @@ def _tokens(text: str, max_tokens: int) -> list[str]:
     return [f" {words[i % len(words)].upper()}" for i in range(max_tokens)]
 
 
+def _output_tokens(rec: Received, fault: Fault | None) -> list[str]:
+    """A request's output tokens (the first one changed by a diverging fault)."""
+    tokens = _tokens(prompt_text(rec.body), _max_tokens(rec.body))
+    if fault is not None and fault.diverge and rec.kv_transfer_params is not None:
+        tokens[0] = " DIVERGED"
+    return tokens
+
+
+def _wants_ids(rec: Received) -> bool:
+    return bool(rec.body.get("return_token_ids"))
+
+
 @dataclass
 class Fault:
     """Misbehaviour for the generation requests a fake receives next.
@@ -77,7 +89,11 @@ class Fault:
     ``arrival_delay_s`` delays the request's *recorded arrival* (and all its
     handling), which forces the order in which concurrent legs arrive.
     ``is_reset`` drops the connection before any answer; ``reset_after_chunks``
-    drops it after that many SSE events (a crash mid-stream).
+    drops it after that many SSE events (a crash mid-stream). ``diverge``: a
+    decode leg (one with ``kv_transfer_params``) answers ``DIVERGED`` for its
+    first token (as a sampled decode could, where prefill sampled another).
+    ``legs_only``: the fault spares requests without ``kv_transfer_params``
+    (the router's continuations).
     """
 
     status: int | None = None
@@ -89,6 +105,8 @@ class Fault:
     reset_after_chunks: int | None = None
     is_reset: bool = False
     chunk_delay_s: float = 0.0
+    diverge: bool = False
+    legs_only: bool = False
 
 
 @dataclass
@@ -234,13 +252,18 @@ class FakeVllm:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         fault = self.fault or Fault()
+        raw = await request.read()
+        body = msgspec.json.decode(raw)
+        if fault.legs_only and not (
+            isinstance(body, dict) and "kv_transfer_params" in body
+        ):
+            fault = Fault()
         if fault.arrival_delay_s:
             await asyncio.sleep(fault.arrival_delay_s)
-        raw = await request.read()
         rec = Received(
             path=request.path,
             headers=CIMultiDict(request.headers),
-            body=msgspec.json.decode(raw),
+            body=body,
             arrived_at=time.monotonic(),
         )
         self.received.append(rec)
@@ -268,7 +291,7 @@ class FakeVllm:
             return web.Response(status=500, body=_vllm_error(500, kv_error))
         if rec.body.get("stream"):
             return await self._stream(request, rec, fault)
-        rec.answer = self._completion(rec)
+        rec.answer = self._completion(rec, fault)
         rec.answered_at = time.monotonic()
         if self._is_prefill_leg(rec) and self.fabric is not None:
             self.fabric.publish(_pairing_key(rec), prompt_text(rec.body))
@@ -299,9 +322,10 @@ class FakeVllm:
             return f"KV for {remote_id} belongs to another prompt"
         return None
 
-    def _completion(self, rec: Received) -> dict[str, Any]:
+    def _completion(self, rec: Received, fault: Fault) -> dict[str, Any]:
         body, is_chat = rec.body, rec.path.endswith("/chat/completions")
-        text = expected_text(prompt_text(body), _max_tokens(body))
+        tokens = _output_tokens(rec, fault)
+        text = "".join(tokens)
         answer = _envelope(rec, self.engine_id, is_chat, "completion")
         if is_chat:
             message = {"role": "assistant", "content": text}
@@ -310,6 +334,13 @@ class FakeVllm:
             ]
         else:
             answer["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
+        if _wants_ids(rec):  # where vLLM puts them
+            ids = fake_tokens(prompt_text(body))
+            answer["choices"][0]["token_ids"] = fake_tokens(text)
+            if is_chat:
+                answer["prompt_token_ids"] = ids
+            else:
+                answer["choices"][0]["prompt_token_ids"] = ids
         answer["usage"] = _usage(body)
         if (
             self._is_prefill_leg(rec)
@@ -336,7 +367,7 @@ class FakeVllm:
     ) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for number, event in enumerate(_stream_events(rec, self.engine_id)):
+        for number, event in enumerate(_stream_events(rec, self.engine_id, fault)):
             if (
                 fault.hang_after_chunks is not None
                 and number >= fault.hang_after_chunks
@@ -385,10 +416,10 @@ def _drop_connection(request: web.Request) -> web.Response:
     return web.Response(status=500)  # never sent: the connection is gone
 
 
-def _stream_events(rec: Received, engine_id: str) -> list[bytes]:
+def _stream_events(rec: Received, engine_id: str, fault: Fault) -> list[bytes]:
     body, is_chat = rec.body, rec.path.endswith("/chat/completions")
     chunks: list[dict[str, Any]] = []
-    tokens = _tokens(prompt_text(body), _max_tokens(body))
+    tokens = _output_tokens(rec, fault)
     if is_chat:
         tokens = ["", *tokens]  # vLLM's chat stream opens with the role delta
     for i, token in enumerate(tokens):
@@ -401,6 +432,13 @@ def _stream_events(rec: Received, engine_id: str) -> list[bytes]:
             chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}]
         else:
             chunk["choices"] = [{"index": 0, "text": token, "finish_reason": finish}]
+        if _wants_ids(rec):  # as vLLM: the prompt's with the first event
+            choice = chunk["choices"][0]
+            is_role = is_chat and i == 0
+            choice["token_ids"] = [] if is_role else fake_tokens(token)
+            if i == 0:
+                ids = fake_tokens(prompt_text(body))
+                (chunk if is_chat else choice)["prompt_token_ids"] = ids
         chunks.append(chunk)
     if (body.get("stream_options") or {}).get("include_usage"):
         usage_chunk = _envelope(rec, engine_id, is_chat, "chunk")

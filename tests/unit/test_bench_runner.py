@@ -210,9 +210,10 @@ def test_a_multi_turn_run_records_every_turn_in_its_point(
     assert later is not None and later.num_ok == 4
     records = read_records(out / "requests.jsonl")
     turns = sorted((r.bench_id, r.point, r.prompt_len) for r in records)
-    # The fake returns no token ids: each turn adds only its 8 new tokens.
+    # Each turn adds the answer's 4 token ids (the fake returns them when
+    # asked, as vLLM does) and its own 8 new tokens.
     assert turns == [
-        ("kvb-c0-t1", 0, 64), ("kvb-c0-t2", 1, 72), ("kvb-c0-t3", 1, 80),
-        ("kvb-c1-t1", 0, 64), ("kvb-c1-t2", 1, 72), ("kvb-c1-t3", 1, 80),
+        ("kvb-c0-t1", 0, 64), ("kvb-c0-t2", 1, 76), ("kvb-c0-t3", 1, 88),
+        ("kvb-c1-t1", 0, 64), ("kvb-c1-t2", 1, 76), ("kvb-c1-t3", 1, 88),
     ]  # fmt: skip
     assert "multi-turn: 2 conversations of 3 turns" in (out / "report.md").read_text()

@@ -11,7 +11,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from kvpush.router.config import RoutingConfig
+from kvpush.router.config import FirstTokenFrom, RoutingConfig
 from kvpush.router.errors import (
     RouterError,
     bad_request,
@@ -164,7 +164,10 @@ async def test_colocated_retries_on_another_instance() -> None:
 
 
 async def test_no_retry_after_the_first_byte_reached_the_client() -> None:
-    async with routed("kvpush", num_decodes=2) as r:
+    """With the first token from decode (from prefill, decode's failure is
+    continued elsewhere: ``test_router_first_token.py``)."""
+    routing = RoutingConfig(first_token_from=FirstTokenFrom.DECODE)
+    async with routed("kvpush", num_decodes=2, routing=routing) as r:
         r.cluster.decodes[0].fault = Fault(reset_after_chunks=2)
         reply = await r.post(PATH, STREAM)
         retries = await _metric(r, names.ROUTER_RETRIES, mode="kvpush")

@@ -55,6 +55,7 @@ def test_the_router_serves_its_declared_families() -> None:
     metrics.retried()
     metrics.health_transition("decode0", "decode", False)
     metrics.kv_event("decode0", "stored")
+    metrics.first_token("prefill")
     events = ConnectorEvents()
     events.totals = {("decode0", "decode", "fallback"): 1.0}
     metrics.register(events)
