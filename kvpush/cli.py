@@ -365,6 +365,12 @@ def _add_up(p: argparse.ArgumentParser) -> None:
         help="kvpush mode: the router's --binding (default: the router's, auto)",
     )
     p.add_argument(
+        "--first-token-from",
+        choices=["prefill", "decode"],
+        help="kvpush mode: the router's --first-token-from (default: the "
+        "router's, prefill)",
+    )
+    p.add_argument(
         "--gpus",
         type=gpu_list,
         help="CUDA: comma-separated GPUs the instances take in turn, TP-many "
@@ -408,7 +414,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 _UP_KEYS = (
     "mode", "num_prefill", "num_decode", "port", "base_http_port",
     "base_side_channel_port", "base_kv_events_port", "kv_events",
-    "startup_timeout_s", "hosts", "link_gbit", "binding", "gpus",
+    "startup_timeout_s", "hosts", "link_gbit", "binding", "first_token_from",
+    "gpus",
 )  # fmt: skip
 
 

@@ -220,18 +220,26 @@ def _spawn_router(config: ClusterConfig, run_dir: Path) -> int:
 
 def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
     """The router's command line."""
-    return [
-        sys.executable,
-        "-m",
-        "kvpush",
-        "router",
-        "--topology",
-        str(run_dir / TOPOLOGY_FILE),
-        "--host",
-        config.host,
-        "--port",
-        str(config.port),
-    ] + (["--binding", config.binding] if config.binding else [])
+    return (
+        [
+            sys.executable,
+            "-m",
+            "kvpush",
+            "router",
+            "--topology",
+            str(run_dir / TOPOLOGY_FILE),
+            "--host",
+            config.host,
+            "--port",
+            str(config.port),
+        ]
+        + (["--binding", config.binding] if config.binding else [])
+        + (
+            ["--first-token-from", config.first_token_from]
+            if config.first_token_from
+            else []
+        )
+    )
 
 
 def _router_env() -> dict[str, str]:

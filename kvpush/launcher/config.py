@@ -26,6 +26,7 @@ from kvpush.launcher.platform import (
     resolve_platform,
 )
 from kvpush.router.binding import check_policy
+from kvpush.router.config import FirstTokenFrom
 from kvpush.settings_file import read_settings_file
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth, is_wildcard
 from kvpush.topology import MODES
@@ -50,6 +51,8 @@ _TP_FLAGS = (
     "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
     "--data-parallel-rank", "-dpn",
 )  # fmt: skip
+
+FIRST_TOKEN_FROM: tuple[str, ...] = tuple(f.value for f in FirstTokenFrom)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ class ClusterConfig:
 
     ``binding`` (kvpush mode) is the router's ``--binding`` (None: the
     router's default); see :mod:`kvpush.router.binding`.
+    ``first_token_from`` (kvpush mode) is the router's
+    ``--first-token-from``, prefill or decode (None: the router's default,
+    prefill); see :mod:`kvpush.router.first_token`.
 
     ``kv_events`` (kvpush mode, local hosts): every decode engine sends
     vLLM's KV cache events to the router, which learns from them what each
@@ -186,6 +192,7 @@ class ClusterConfig:
     hosts: str = "local"
     link_gbit: float | None = None
     binding: str | None = None
+    first_token_from: str | None = None
     prefill_tp: int = 1
     decode_tp: int = 1
     colocated_tp: int = 1
@@ -207,6 +214,13 @@ class ClusterConfig:
         if self.binding is not None:
             _require(self.mode == "kvpush", "--binding is for kvpush mode")
             check_policy(self.binding)
+        if self.first_token_from is not None:
+            _require(self.mode == "kvpush", "--first-token-from is for kvpush mode")
+            _require(
+                self.first_token_from in FIRST_TOKEN_FROM,
+                f"first_token_from must be one of {', '.join(FIRST_TOKEN_FROM)}, "
+                f"not {self.first_token_from!r}",
+            )
         check_instance_settings(self)
         _require(self.startup_timeout_s > 0, "startup_timeout_s must be positive")
         _require(all(c >= 0 for c in self.cores), "cores must be CPU numbers >= 0")

@@ -6,8 +6,12 @@ streams ``t1`` to the client the moment that answer arrives, instead of when
 decode has received the KV and computed ``t1`` again. Decode runs the
 client's request as before; the router drops decode's copy of ``t1`` after
 checking it is the same token, and relays the rest. Both legs ask vLLM for
-their token ids (``return_token_ids``) and, for a sampled request without a
-seed, carry the same random seed, so decode samples the same ``t1``.
+their token ids (``return_token_ids``). Decode computes the same ``t1`` for
+a greedy request, and for a sampled one with a seed (both legs carry it); a
+sampled request without one keeps decode's first token. The router does not
+add a seed of its own: vLLM's CPU build (0.32) kills its engine on a seeded
+request whose prompt spans several prefill chunks ("CPU Generator does not
+use offset", ``_bookkeeping_sync``), and on GPUs seeded sampling is slower.
 
 When decode's ``t1`` differs, or decode fails after ``t1`` went out, the
 router continues from the prompt plus every token the client already has,
@@ -22,7 +26,6 @@ from decode (:func:`blocker` says why).
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -33,7 +36,6 @@ import msgspec
 from kvpush.router.requests import GREEDY_BELOW, ParsedRequest, is_true
 
 DONE_EVENT = b"data: [DONE]\n\n"
-_SEED_LIMIT = 2**31  # vLLM's seed is an int; keep it in every platform's range
 
 
 class Outcome(Enum):
@@ -76,6 +78,8 @@ def blocker(parsed: ParsedRequest) -> str | None:
         return "prompt logprobs"
     if parsed.endpoint == "completions" and not _is_one_prompt(body.get("prompt")):
         return "a batch of prompts"
+    if not _is_greedy(body) and body.get("seed") is None:
+        return "sampled without a seed (decode would sample its own first token)"
     for key, why in _BLOCKING_FIELDS:
         value = body.get(key)
         if value not in (None, False, 0, "", [], {}) and not (
@@ -86,14 +90,15 @@ def blocker(parsed: ParsedRequest) -> str | None:
 
 
 def leg_fields(parsed: ParsedRequest) -> dict[str, Any]:
-    """The fields both legs get: their token ids, and a shared seed when the
-    request samples without one (a greedy one needs none)."""
-    fields: dict[str, Any] = {"return_token_ids": True}
-    temperature = parsed.body.get("temperature")
-    is_greedy = isinstance(temperature, int | float) and temperature < GREEDY_BELOW
-    if parsed.body.get("seed") is None and not is_greedy:
-        fields["seed"] = secrets.randbelow(_SEED_LIMIT)
-    return fields
+    """The fields both legs add to the client's body: their token ids."""
+    return {"return_token_ids": True}
+
+
+def _is_greedy(body: dict[str, Any]) -> bool:
+    """Greedy as vLLM reads it: a temperature below its threshold (absent:
+    the model's default, which may sample)."""
+    temperature = body.get("temperature")
+    return isinstance(temperature, int | float) and temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

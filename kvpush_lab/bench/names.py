@@ -4,6 +4,9 @@
   modes, each with its defaults;
 - ``kvpush-<binding>`` (``kvpush-auto``, ``kvpush-early``, ...): kvpush
   with its router's ``--binding`` forced or decided;
+- ``kvpush-first-token-decode``: kvpush with its router's
+  ``--first-token-from decode`` (the client's first token is decode's, as
+  before the router streamed prefill's; the default is prefill's);
 - ``kvpush.<granularity>`` (``kvpush.request``, ``kvpush.chunk``,
   ``kvpush.layer``, ``kvpush.auto``): kvpush with prefill's connector at
   that ``--push-granularity``.
@@ -24,7 +27,9 @@ from kvpush.topology import MODES
 BINDING_CONFIGS = {f"kvpush-{policy}": policy for policy in POLICIES}
 # kvpush with prefill pushing per request, chunk or layer (or choosing: auto)
 GRANULARITY_CONFIGS = {f"kvpush.{g}": g for g in PUSH_GRANULARITIES}
-CONFIG_NAMES = (*MODES, *BINDING_CONFIGS, *GRANULARITY_CONFIGS)
+# kvpush with its router's first token from decode (the default: prefill)
+FIRST_TOKEN_CONFIGS = {"kvpush-first-token-decode": "decode"}
+CONFIG_NAMES = (*MODES, *BINDING_CONFIGS, *FIRST_TOKEN_CONFIGS, *GRANULARITY_CONFIGS)
 
 
 def cluster_of(name: str) -> tuple[str, str | None]:
@@ -32,9 +37,15 @@ def cluster_of(name: str) -> tuple[str, str | None]:
     router's default)."""
     if name in BINDING_CONFIGS:
         return "kvpush", BINDING_CONFIGS[name]
-    if name in GRANULARITY_CONFIGS:
+    if name in GRANULARITY_CONFIGS or name in FIRST_TOKEN_CONFIGS:
         return "kvpush", None
     return name, None
+
+
+def first_token_of(name: str) -> str | None:
+    """Where a configuration's router takes the first token from (None:
+    the router's default)."""
+    return FIRST_TOKEN_CONFIGS.get(name)
 
 
 def granularity_of(name: str) -> str | None:

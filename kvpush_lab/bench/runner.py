@@ -61,7 +61,7 @@ from kvpush_lab.bench.inputs import (
 )
 from kvpush_lab.bench.links import LinkUsage, link_usage
 from kvpush_lab.bench.meters import Meters, read_meters
-from kvpush_lab.bench.names import cluster_of, granularity_of
+from kvpush_lab.bench.names import cluster_of, first_token_of, granularity_of
 from kvpush_lab.bench.overlap import in_window as transfers_in_window
 from kvpush_lab.bench.overlap import summarize as summarize_overlap
 from kvpush_lab.bench.progress import advance, make_progress
@@ -232,6 +232,7 @@ def cluster_config(
     return ClusterConfig(
         mode=mode,
         binding=binding,
+        first_token_from=first_token_of(name),
         num_prefill=config.num_prefill if is_pd else 0,
         num_decode=config.num_decode if is_pd else 0,
         model=model,

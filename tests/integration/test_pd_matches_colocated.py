@@ -7,10 +7,14 @@ leaves no process behind. kvpush runs at each push granularity: the default
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from typing import Any, ClassVar
 
 import pytest
 
+from kvpush.telemetry.names import ROUTER_FIRST_TOKEN
+from tests.fakes.metrics import metric
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
 from tests.integration.test_vllm_protocol import KvBothChecks, VllmProtocolChecks
@@ -138,6 +142,29 @@ class TestKvPush(PDChecks, VllmProtocolChecks):
         "max_num_batched_tokens": 256,
         "verify_kv": "all",
     }
+
+    def test_a_first_token_from_prefill_joins_decodes_stream(
+        self, pd_cluster: Cluster
+    ) -> None:
+        # The router's default: a streamed request's first token is prefill's,
+        # the rest decode's (without its copy of that token). Each prompt is
+        # new to the cluster, so prefill answers before decode's first token
+        # (a decode holding the prompt can win that race, and its own first
+        # token is then relayed); sent again, decode holds it and answers
+        # alone: both replies must be the same greedy output.
+        def served() -> float:
+            text = urllib.request.urlopen(pd_cluster.url + "/metrics").read()
+            return metric(text.decode(), ROUTER_FIRST_TOKEN, outcome="prefill") or 0
+
+        before, seed = served(), int(time.time())
+        for i, shape in enumerate((workload.completion, workload.chat) * 2):
+            request = shape(workload.text_of(300, seed=seed + i), stream=True)
+            joined = workload.send(pd_cluster.url, *request)
+            again = workload.send(pd_cluster.url, *request)
+            assert workload.mismatch(again, joined) is None, workload.mismatch(
+                again, joined
+            )
+        assert served() - before >= 2
 
 
 class TestKvPushWholeRequest(TestKvPush, KvBothChecks):

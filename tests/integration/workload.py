@@ -41,7 +41,7 @@ def text_of(num_words: int, seed: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
-def _completion(
+def completion(
     prompt: str, stream: bool, max_tokens: int = 16
 ) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {
@@ -53,7 +53,7 @@ def _completion(
     return "/v1/completions", body
 
 
-def _chat(
+def chat(
     content: str, stream: bool, max_tokens: int = 16
 ) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {
@@ -68,21 +68,21 @@ def _chat(
 
 # One request per API shape, over short and multi-block (>128-token) prompts.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "completion-short": _completion("The quick brown fox", stream=False),
-    "completion-long": _completion(text_of(700, seed=1), stream=False),
-    "completion-stream": _completion(text_of(300, seed=2), stream=True),
-    "chat": _chat("Tell me about the cache.", stream=False),
-    "chat-stream": _chat(text_of(400, seed=3), stream=True),
+    "completion-short": completion("The quick brown fox", stream=False),
+    "completion-long": completion(text_of(700, seed=1), stream=False),
+    "completion-stream": completion(text_of(300, seed=2), stream=True),
+    "chat": chat("Tell me about the cache.", stream=False),
+    "chat-stream": chat(text_of(400, seed=3), stream=True),
     # Shares its first 500 words with completion-long: a partial prefix-cache
     # hit on whichever instances saw that one first.
-    "completion-shared-prefix": _completion(
+    "completion-shared-prefix": completion(
         text_of(700, seed=1).rsplit(" ", 200)[0] + " " + text_of(200, seed=4),
         stream=False,
     ),
 }
 # Thirty-two mixed-length requests sent all at once in P/D.
 CONCURRENT: dict[str, tuple[str, dict[str, Any]]] = {
-    f"concurrent-{i}": _completion(text_of(5 + 47 * i, seed=100 + i), stream=i % 2 == 0)
+    f"concurrent-{i}": completion(text_of(5 + 47 * i, seed=100 + i), stream=i % 2 == 0)
     for i in range(32)
 }
 
@@ -93,7 +93,7 @@ CONCURRENT: dict[str, tuple[str, dict[str, Any]]] = {
 # chunked. Four more share a ~700-word (7-block) prefix, short and long.
 _ONE_BLOCK, _SEVEN_BLOCKS = text_of(100, seed=6), text_of(700, seed=7)
 SHARED_PREFIX: dict[str, tuple[str, dict[str, Any]]] = {
-    f"shared-prefix-{i}": _completion(
+    f"shared-prefix-{i}": completion(
         f"{prefix} {text_of(words, seed=300 + i)}", stream=i % 3 == 0
     )
     for i, (prefix, words) in enumerate(
@@ -109,7 +109,7 @@ def send(url: str, path: str, body: dict[str, Any]) -> client.Reply:
 
 def warm_up(url: str) -> None:
     """One small request: the first after start pays NIXL's handshake."""
-    reply = send(url, *_completion("warm up", stream=False, max_tokens=2))
+    reply = send(url, *completion("warm up", stream=False, max_tokens=2))
     if reply.status != 200:
         raise RuntimeError(f"warm-up request failed: {reply.status} {reply.body}")
 

@@ -63,6 +63,16 @@ def test_a_kvpush_binding_name_is_kvpush_with_that_router_binding(
     assert (made.mode, made.binding) == cluster
 
 
+def test_kvpush_first_token_decode_runs_kvpush_with_decodes_first_token() -> None:
+    name = "kvpush-first-token-decode"
+    assert cluster_of(name) == ("kvpush", None)
+    config = BenchConfig(configs=("kvpush", name))
+    made = cluster_config(config, name, Path("/m"), Path("/r"))
+    assert (made.mode, made.first_token_from) == ("kvpush", "decode")
+    default = cluster_config(config, "kvpush", Path("/m"), Path("/r"))
+    assert default.first_token_from is None
+
+
 def test_unknown_names_and_unsupported_bindings_say_what_to_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

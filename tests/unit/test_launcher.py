@@ -180,6 +180,22 @@ def test_up_passes_the_binding_to_its_router(tmp_path: Path) -> None:
         ClusterConfig(mode="kvpush", binding="never")
 
 
+def test_up_passes_where_the_first_token_comes_from_to_its_router(
+    tmp_path: Path,
+) -> None:
+    from kvpush.launcher.cluster import router_command
+
+    argv = ["up", "--mode", "kvpush", "--first-token-from", "decode"]
+    cmd = router_command(up_config(_parser().parse_args(argv)), tmp_path)
+    assert cmd[cmd.index("--first-token-from") + 1] == "decode"
+    plain = router_command(ClusterConfig(mode="kvpush"), tmp_path)
+    assert "--first-token-from" not in plain
+    with pytest.raises(ValueError, match="for kvpush mode"):
+        ClusterConfig(mode="vllm-pull", first_token_from="decode")
+    with pytest.raises(ValueError, match="prefill, decode"):
+        ClusterConfig(mode="kvpush", first_token_from="router")
+
+
 def test_kv_both_gives_every_kvpush_instance_both_roles(tmp_path: Path) -> None:
     """``--kv-both``: prefill and decode alike get kv_role kv_both, prefill's
     granularity (either may push) and a control directory (either may

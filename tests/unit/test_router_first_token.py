@@ -37,6 +37,7 @@ LATE = RoutingConfig(binding="late")
 
 def _body(endpoint: str, max_tokens: int = 5, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "stream": True}
+    body["temperature"] = 0.0
     body["stream_options"] = {"include_usage": True}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": PROMPT}]
@@ -210,9 +211,10 @@ async def test_a_request_for_one_token_is_answered_from_prefill_and_decode_abort
     [
         (RoutingConfig(binding="early", first_token_from=FirstTokenFrom.DECODE), {}),
         (EARLY, {"stop": ["fox"]}),
+        (EARLY, {"temperature": 1.0}),
         (EARLY, {"stream": False}),
     ],
-    ids=["option-decode", "stop-strings", "not-streamed"],
+    ids=["option-decode", "stop-strings", "sampled-unseeded", "not-streamed"],
 )
 async def test_requests_it_cannot_serve_exactly_get_decodes_first_token(
     routing: RoutingConfig, extra: dict[str, Any]
@@ -269,13 +271,14 @@ def test_blocker_names_what_a_streamed_first_token_cannot_follow() -> None:
     )
 
 
-def test_legs_share_a_seed_only_when_the_request_samples_without_one() -> None:
-    assert leg_fields(_parsed("completions", temperature=0.0)) == {
+def test_a_sampled_request_needs_its_own_seed_and_gets_none_added() -> None:
+    sampled = "sampled without a seed (decode would sample its own first token)"
+    assert blocker(_parsed("completions", temperature=0.8)) == sampled
+    assert blocker(_parsed("completions", temperature=None)) == sampled
+    assert blocker(_parsed("completions", temperature=0.8, seed=3)) is None
+    assert leg_fields(_parsed("completions", temperature=0.8, seed=3)) == {
         "return_token_ids": True
     }
-    assert leg_fields(_parsed("completions", seed=3)) == {"return_token_ids": True}
-    sampled = leg_fields(_parsed("completions", temperature=0.8))
-    assert isinstance(sampled["seed"], int) and sampled["return_token_ids"] is True
 
 
 def test_echo_drops_t1_from_a_coalesced_event_with_its_logprob() -> None:

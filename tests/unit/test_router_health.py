@@ -17,6 +17,7 @@ from kvpush.cli import _parser
 from kvpush.launcher.cluster import router_command
 from kvpush.launcher.config import ClusterConfig
 from kvpush.router import RouterConfig
+from kvpush.router.config import FirstTokenFrom
 from kvpush.router.connector_stats import events_of, scrape
 from kvpush.router.errors import RouterError
 from kvpush.router.health import HealthBoard
@@ -324,7 +325,7 @@ def test_router_cli_flags_reach_the_config(
     base = ["router", "--topology", str(topology_path)]
     flags = [
         "--health-interval-s", "0.5", "--unhealthy-after", "3",
-        "--max-attempts", "4",
+        "--max-attempts", "4", "--first-token-from", "decode",
     ]  # fmt: skip
     for argv in (base, base + flags):
         args = _parser().parse_args(argv)
@@ -333,6 +334,8 @@ def test_router_cli_flags_reach_the_config(
     assert default == RouterConfig(topology=PD)
     assert (given.health_interval_s, given.unhealthy_after) == (0.5, 3)
     assert given.max_attempts == 4
+    assert default.routing.first_token_from is FirstTokenFrom.PREFILL
+    assert given.routing.first_token_from is FirstTokenFrom.DECODE
 
 
 @pytest.mark.parametrize("mode", ["kvpush", "vllm-push"])
