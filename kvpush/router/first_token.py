@@ -173,7 +173,7 @@ def opening_events(first: FirstToken, parsed: ParsedRequest) -> bytes:
     if parsed.endpoint == "chat":
         role: dict[str, Any] = {
             "index": 0,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": _chat_role(parsed), "content": ""},
         }
         role.update(logprobs=None, finish_reason=None)
         extra = {"prompt_token_ids": first.prompt_token_ids} if wants_ids else {}
@@ -198,6 +198,14 @@ def opening_events(first: FirstToken, parsed: ParsedRequest) -> bytes:
             events.append(_chunk(first, parsed, [], {}, _usage(first, 1)))
         events.append(DONE_EVENT)
     return b"".join(events)
+
+
+def _chat_role(parsed: ParsedRequest) -> str:
+    """The role vLLM's chat stream opens with: the answer's, or with
+    ``add_generation_prompt`` false the last message's (which it continues)."""
+    if is_true(parsed.body.get("add_generation_prompt", True)):
+        return "assistant"
+    return str(parsed.body["messages"][-1].get("role", "assistant"))
 
 
 def wants_token_ids(parsed: ParsedRequest) -> bool:
@@ -248,8 +256,15 @@ class DecodeEcho:
         if payload == b"[DONE]":
             self.progress.is_done = True
             return DONE_EVENT
-        chunk = _decode(payload)
+        try:
+            chunk = _decode(payload)
+        except Diverged:
+            if self._first is None:  # only stripping: not ours to judge
+                return b"data: " + payload + b"\n\n"
+            raise
         if "error" in chunk:
+            if self._first is None:
+                return _sse(chunk)
             raise Diverged(f"decode's stream failed: {chunk['error']}")
         choices = chunk.get("choices") or []
         if not choices:  # the usage event

@@ -23,6 +23,7 @@ from kvpush.router.first_token import (
     blocker,
     continuation_body,
     leg_fields,
+    opening_events,
 )
 from kvpush.router.requests import parse_request
 from kvpush.telemetry import names
@@ -379,3 +380,23 @@ def test_continuation_shifts_completion_text_offsets_past_the_text_sent() -> Non
     out = rewrite.feed(_event({"choices": [choice]}))
     (rest,) = msgspec.json.decode(out.strip()[6:])["choices"]
     assert rest["logprobs"]["text_offset"] == [10]  # " THE" (4) + 6 relayed
+
+
+def test_only_stripping_ids_passes_errors_and_odd_events_through() -> None:
+    echo = DecodeEcho(_parsed("completions"), None)
+    error = _event({"error": {"message": "boom"}})
+    assert echo.feed(error) == error
+    assert echo.feed(b"data: not json\n\n") == b"data: not json\n\n"
+    choice = {"index": 0, "text": " A", "token_ids": [9], "finish_reason": None}
+    (out,) = [e for e in echo.feed(_event({"choices": [choice]})).split(b"\n\n") if e]
+    assert msgspec.json.decode(out[6:])["choices"] == [
+        {"index": 0, "text": " A", "finish_reason": None}
+    ]
+
+
+def test_a_chat_that_continues_its_last_message_opens_with_that_role() -> None:
+    parsed = _parsed("chat", add_generation_prompt=False)
+    parsed.body["messages"] = [{"role": "user", "content": "hi"}]
+    opening = opening_events(_first(), parsed)
+    first = msgspec.json.decode(opening.split(b"\n\n")[0][6:])
+    assert first["choices"][0]["delta"] == {"role": "user", "content": ""}
