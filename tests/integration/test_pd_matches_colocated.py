@@ -116,32 +116,10 @@ class PDChecks:
         pd_cluster.stop()
 
 
-class TestVllmPull(PDChecks):
-    mode = "vllm-pull"
-    arrival_orders = ("prefill",)  # decode needs prefill's answer to start
-
-
-@pytest.mark.long
-class TestVllmPush(PDChecks):
-    """Long (not CI): vLLM's own push behind kvpush's router; CI checks it
-    on the rehearsal hosts (``test_netns.py``) and measures it in the bench."""
-
-    mode = "vllm-push"
-
-
-class TestKvPush(PDChecks, VllmProtocolChecks):
-    """kvpush's connector as users get it, with chunked prefill (256-token
-    chunks, so the long prompts take several): the default granularity,
-    ``auto``, which on the tiny model pushes per chunk (a chunk's KV per layer,
-    256 KiB, is below ``layer_push_min_bytes``) with the per-layer hooks on.
-    Also behind a router speaking vLLM's own P/D protocol (its checks run
-    first: a later base's tests come before an earlier one's)."""
-
-    mode = "kvpush"
-    cluster_options: ClassVar[dict[str, Any]] = {
-        "max_num_batched_tokens": 256,
-        "verify_kv": "all",
-    }
+class FirstTokenChecks:
+    """kvpush's router: the first token from prefill (its default). A base
+    after :class:`PDChecks`, so that its test runs before the nothing-held
+    and ``down`` checks."""
 
     def test_a_first_token_from_prefill_joins_decodes_stream(
         self, pd_cluster: Cluster
@@ -165,6 +143,34 @@ class TestKvPush(PDChecks, VllmProtocolChecks):
                 again, joined
             )
         assert served() - before >= 2
+
+
+class TestVllmPull(PDChecks):
+    mode = "vllm-pull"
+    arrival_orders = ("prefill",)  # decode needs prefill's answer to start
+
+
+@pytest.mark.long
+class TestVllmPush(PDChecks):
+    """Long (not CI): vLLM's own push behind kvpush's router; CI checks it
+    on the rehearsal hosts (``test_netns.py``) and measures it in the bench."""
+
+    mode = "vllm-push"
+
+
+class TestKvPush(PDChecks, FirstTokenChecks, VllmProtocolChecks):
+    """kvpush's connector as users get it, with chunked prefill (256-token
+    chunks, so the long prompts take several): the default granularity,
+    ``auto``, which on the tiny model pushes per chunk (a chunk's KV per layer,
+    256 KiB, is below ``layer_push_min_bytes``) with the per-layer hooks on.
+    Also behind a router speaking vLLM's own P/D protocol (its checks run
+    first: a later base's tests come before an earlier one's)."""
+
+    mode = "kvpush"
+    cluster_options: ClassVar[dict[str, Any]] = {
+        "max_num_batched_tokens": 256,
+        "verify_kv": "all",
+    }
 
 
 class TestKvPushWholeRequest(TestKvPush, KvBothChecks):
