@@ -167,7 +167,7 @@ def _links(s: SectionResults) -> str:
 
 
 def _bench_part(s: SectionResults) -> str:
-    head = f"### {s.title}\n\n{_when(s)}. {_links(s)}"
+    head = f"### {s.title}\n{_when(s)}. {_links(s)}"
     body = headline_table(s)
     return f"{head}\n\n{body}" if body else head
 
@@ -200,7 +200,12 @@ def _setup(sections: Sequence[SectionResults]) -> str:
 
 
 def _plots(benches: Sequence[SectionResults]) -> str:
-    shown = [(s, s.plots[0]) for s in benches if s.plots][:NUM_PLOTS]
+    """The first plot of the first sections, those that sweep something
+    first (a plot of one point shows little)."""
+    plotted = [s for s in benches if s.plots]
+    swept = [s for s in plotted if len(s.points) > 1]
+    ranked = swept + [s for s in plotted if s not in swept]
+    shown = [(s, s.plots[0]) for s in ranked][:NUM_PLOTS]
     if not shown:
         return ""
     lines = ["## Plots"]
