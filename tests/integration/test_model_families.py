@@ -18,6 +18,10 @@ under concurrency every receive must arrive whole and pass its digest.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +29,10 @@ import pytest
 
 from kvpush import env
 from kvpush.model.presets import ensure_preset
+from kvpush.router.config import FirstTokenFrom
+from kvpush.router.first_token import Outcome
+from kvpush.telemetry.names import ROUTER_FIRST_TOKEN
+from kvpush.telemetry.reader import Exposition
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
@@ -125,7 +133,13 @@ class TestKvPushMla(FamilyChecks):
     blocks, so each push is a whole prompt (per layer under ``auto``)."""
 
     preset = "mla"
-    cluster_options: ClassVar[dict[str, Any]] = {**MLA_TP, "verify_kv": "all"}
+    # Its reference, vllm-pull, streams decode's first token: so does this
+    # router, but for the check of prefill's first token below.
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **MLA_TP,
+        "verify_kv": "all",
+        "first_token_from": FirstTokenFrom.DECODE.value,
+    }
 
     @classmethod
     def reference_outputs(
@@ -150,12 +164,66 @@ class TestKvPushMla(FamilyChecks):
         for _ in (1, 2):
             _all_served(pd_cluster, workload.SHARED_PREFIX)
 
-    # Declared again so that they run after the two above.
+    def test_the_first_token_from_prefill(self, pd_cluster: Cluster) -> None:
+        # The router's default streams prefill's first token, which on CPU
+        # MLA is the colocated one (prefill0's own) and may differ from
+        # decode's (see the module docstring): each streamed reply must begin
+        # with prefill0's token and come whole, decode's stream followed when
+        # it agrees and the rest continued from that token when it does not.
+        streamed = [n for n, (_, body) in workload.SHAPES.items() if body["stream"]]
+        firsts = {
+            n: workload.send(pd_cluster.instance_url("prefill0"), *_first_only(n)).text
+            for n in streamed
+        }
+        with _router_with(pd_cluster, FirstTokenFrom.PREFILL):
+            before = _first_token_outcomes(pd_cluster)
+            replies = {
+                n: workload.send(pd_cluster.url, *workload.SHAPES[n]) for n in streamed
+            }
+            after = _first_token_outcomes(pd_cluster)
+        for name, reply in replies.items():
+            assert reply.status == 200 and reply.text.startswith(firsts[name]), (
+                name, firsts[name], reply.text,
+            )  # fmt: skip
+            assert reply.usage and reply.usage["completion_tokens"] == 16, reply.usage
+        served = {o: after[o] - before[o] for o in after if after[o] > before[o]}
+        assert sum(served.values()) == len(streamed), served
+        assert set(served) <= {Outcome.PREFILL.value, Outcome.CONTINUED.value}, served
+
+    # Declared again so that they run after the three above.
     def test_no_blocks_held_after_the_run(self, pd_cluster: Cluster) -> None:
         super().test_no_blocks_held_after_the_run(pd_cluster)
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         super().test_down_stops_every_process(pd_cluster)
+
+
+def _first_only(name: str) -> tuple[str, dict[str, Any]]:
+    """Workload shape ``name`` cut to its first token, not streamed."""
+    path, body = workload.SHAPES[name]
+    body = {k: v for k, v in body.items() if k != "stream_options"}
+    return path, {**body, "stream": False, "max_tokens": 1}
+
+
+@contextlib.contextmanager
+def _router_with(cluster: Cluster, first: FirstTokenFrom) -> Iterator[None]:
+    """The cluster's router restarted with ``first_token_from=first``, then
+    as it was."""
+    config = cluster.config
+    cluster.config = dataclasses.replace(config, first_token_from=first.value)
+    try:
+        cluster.restart("router")
+        yield
+    finally:
+        cluster.config = config
+        cluster.restart("router")
+
+
+def _first_token_outcomes(cluster: Cluster) -> dict[str, float]:
+    """The router's first-token counts by outcome."""
+    text = urllib.request.urlopen(cluster.url + "/metrics", timeout=10).read()
+    counts = Exposition.parse(text.decode()).by_label(ROUTER_FIRST_TOKEN, "outcome")
+    return {o.value: counts.get(o.value, 0.0) for o in Outcome}
 
 
 def _all_served(
