@@ -6,7 +6,9 @@ prefill's own request counter moves); a late-bound request whose decode
 never registers is served by decode's own prefill once prefill freed the
 KV at its ready deadline; a decode that dropped its cache is known to have
 dropped it (vLLM's KV cache events) and gets both legs again; a killed
-decode's traffic moves to the other and nothing is left holding KV.
+decode's traffic moves to the other (a stream it served after prefill's
+first token went out is continued there from that token) and nothing is
+left holding KV.
 
 Four routers over the one topology: the launcher's (the default binding,
 ``auto``; it alone hears the decodes' KV cache events), and three started
@@ -15,11 +17,14 @@ here with ``--binding skip``, ``late`` and ``early``.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +37,7 @@ from kvpush.launcher import ClusterConfig, down, up
 from kvpush.launcher import process as proc
 from kvpush.launcher.state import TOPOLOGY_FILE
 from kvpush.telemetry import names
+from kvpush.telemetry.reader import Exposition
 from tests.fakes.fake_nixl import wait_for
 from tests.fakes.metrics import metric
 from tests.integration import faults, workload
@@ -219,11 +225,7 @@ def test_the_router_learns_from_kv_events_that_a_decode_dropped_its_cache(
 
     assert wait_for(lambda: events("stored") >= 1, 10.0), "no KV events from decode"
     cleared = events("cleared")
-    reset = urllib.request.Request(
-        xpyd.cluster.instance_url(decode) + "/reset_prefix_cache", method="POST"
-    )
-    with urllib.request.urlopen(reset, timeout=10) as resp:
-        assert resp.status == 200
+    _reset_prefix_cache(xpyd.cluster, decode)
 
     def cleared_seen() -> bool:
         """Events go out with the engine step after them: make decode step."""
@@ -254,12 +256,26 @@ def test_no_blocks_held_after_the_requests(xpyd: Routers) -> None:
 def test_a_killed_decodes_traffic_moves_to_the_other(
     xpyd: Routers, reference: workload.Outputs
 ) -> None:
-    # Runs last: the cluster keeps one decode.
-    session = {"x-session-id": "conversation-1"}  # affine to some decode
-    probe = _send(xpyd.urls["auto"], _chat(["which decode?"]), session)
-    victim = probe.headers["x-kvpush-decode"]
+    # Runs last: the cluster keeps one decode. The decode dies while a
+    # streamed request bound to it waits for its KV (prefill holds it back)
+    # and the client has prefill's first token: the other decode continues
+    # from that token, and the joined reply is colocated's.
+    for decode in DECODES:  # it must wait for the KV of a prompt it saw before
+        _reset_prefix_cache(xpyd.cluster, decode)
+    before = _router_first_tokens(xpyd.urls["early"])
+    faults.set_faults(xpyd.cluster, delay_ready_s=6.0)
+    try:
+        reply, victim = _stream_killing_its_decode(
+            xpyd, *workload.SHAPES["chat-stream"]
+        )
+    finally:
+        faults.set_faults(xpyd.cluster)
+    problem = workload.mismatch(reference["chat-stream"], reply)
+    assert problem is None, f"continued after the kill: {problem}"
+    after = _router_first_tokens(xpyd.urls["early"])
+    assert after["continued"] - before.get("continued", 0.0) == 1, (before, after)
     survivor = next(d for d in DECODES if d != victim)
-    os.killpg(xpyd.cluster.pid(victim), signal.SIGKILL)
+    session = {"x-session-id": "conversation-1"}
     for binding in ("auto", "early"):
         for name in ("completion-long", "chat-stream"):
             reply = client.request(
@@ -298,6 +314,50 @@ def _until_no_blocks_held(cluster: Cluster, names: Any, timeout_s: float) -> Non
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+def _stream_killing_its_decode(
+    xpyd: Routers, path: str, body: dict[str, Any]
+) -> tuple[client.Reply, str]:
+    """Stream ``body`` through the early router and kill -9 the decode it
+    names once the first token is in; the reply and that decode."""
+    url = urllib.parse.urlsplit(xpyd.urls["early"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        conn.request(
+            "POST", path, json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        victim = str(resp.getheader("x-kvpush-decode"))
+        assert victim in DECODES, resp.getheaders()
+        reply, killed = client.Reply(status=resp.status), False
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            reply.events.append(json.loads(line[len("data:") :]))
+            if not killed and reply.text:  # the first token is out
+                os.killpg(xpyd.cluster.pid(victim), signal.SIGKILL)
+                killed = True
+    finally:
+        conn.close()
+    assert killed, f"no token before the end: {reply}"
+    return reply, victim
+
+
+def _reset_prefix_cache(cluster: Cluster, name: str) -> None:
+    """Instance ``name`` drops its prefix cache (vLLM's dev-mode endpoint)."""
+    url = cluster.instance_url(name) + "/reset_prefix_cache"
+    request = urllib.request.Request(url, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def _router_first_tokens(url: str) -> dict[str, float]:
+    """The router's first-token counts by outcome."""
+    exposition = Exposition.parse(_router_metrics(url))
+    return exposition.by_label(names.ROUTER_FIRST_TOKEN, "outcome")
 
 
 def _start_router(run_dir: Path, binding: str, port: int) -> subprocess.Popen[bytes]:
