@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from kvpush.router.config import FirstTokenFrom
@@ -33,7 +34,9 @@ from kvpush.router.errors import RouterError, upstream_timeout
 from kvpush.router.first_token import (
     DecodeEcho,
     Outcome,
+    Progress,
     blocker,
+    continuation_body,
     leg_fields,
     read_answer,
 )
@@ -41,7 +44,11 @@ from kvpush.router.first_token_flow import follow, stream_first
 from kvpush.router.legs import is_connection_lost, open_first, run_prefill
 from kvpush.router.planner import RoutePlan
 from kvpush.router.relay import relay, reply_error
-from kvpush.router.requests import PushDecodeParams, returned_kv_params
+from kvpush.router.requests import (
+    ENDPOINT_PATHS,
+    PushDecodeParams,
+    returned_kv_params,
+)
 from kvpush.router.selection import has_every_role
 from kvpush.topology import Backend
 from kvpush.transfer.messages import DecodeLeg, PrefillLeg, claim_digest
@@ -271,12 +278,18 @@ async def _late_flow(
     ctx.take(bound.decode)
     leg = _decode_leg(transfer_id, prefill, claim_token=token)
     decode = bound.decode
+    if client is not None and first is not None:
+        # Decode continues from t1: its prompt ends with it, the KV of the
+        # rest is pushed, and its first step computes t1 to sample t2.
+        leg = msgspec.structs.replace(leg, num_kv_tokens=len(first.prompt_token_ids))
+        body = continuation_body(ctx.parsed, first, Progress(), leg)
+        path = ENDPOINT_PATHS["completions"]
+        opened = open_first(ctx, "decode", decode, body, path=path)
+        await follow(ctx, client, first, decode, opened, from_first=True)
+        return client, bound
     opened = open_first(
         ctx, "decode", decode, ctx.parsed.decode_body(leg, ctx.leg_fields)
     )
-    if client is not None and first is not None:
-        await follow(ctx, client, first, decode, opened)
-        return client, bound
     response, first_bytes = await opened
     out = await relay(
         ctx, "decode", decode, response, first_bytes, _decode_rewrite(ctx)

@@ -313,12 +313,18 @@ class DecodeEcho:
 
 
 def continuation_body(
-    parsed: ParsedRequest, first: FirstToken, progress: Progress
+    parsed: ParsedRequest,
+    first: FirstToken,
+    progress: Progress,
+    kv_transfer_params: Any = None,
 ) -> bytes:
     """A completions request for the rest of the output: the prompt, ``t1``
     and what followed it as token ids, the client's sampling, the tokens
-    left (``max_tokens``)."""
+    left (``max_tokens``); with ``kv_transfer_params`` when decode gets the
+    prompt's KV pushed (a struct or a dict)."""
     body = {k: v for k, v in parsed.body.items() if k not in _CHAT_ONLY_FIELDS}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = msgspec.to_builtins(kv_transfer_params)
     body["prompt"] = [*first.prompt_token_ids, first.token_id, *progress.token_ids]
     body["stream"] = True
     body["return_token_ids"] = True
@@ -339,7 +345,8 @@ class Continuation:
     """A continuation's completions stream, rewritten as the rest of the
     client's stream: the client's id, endpoint format and counts (prompt
     tokens of the original prompt, ``t1`` and what followed it counted as
-    output), token ids only if asked, text offsets after the text it has."""
+    output), token ids only if asked, text offsets after the text it has.
+    :attr:`progress` is the client's, this stream's relayed part included."""
 
     def __init__(
         self, parsed: ParsedRequest, first: FirstToken, progress: Progress
@@ -350,16 +357,23 @@ class Continuation:
         self._offset = len(first.text) + progress.text_len
         self._wants_ids = wants_token_ids(parsed)
         self._events = _EventBuffer()
+        self.progress = Progress(list(progress.token_ids), progress.text_len)
 
     def feed(self, data: bytes) -> bytes:
         return b"".join(self._rewrite(p) for p in self._events.feed(data))
 
     def _rewrite(self, payload: bytes) -> bytes:
         if payload == b"[DONE]":
+            self.progress.is_done = True
             return DONE_EVENT
         chunk = _decode(payload)
         if "error" in chunk:
             return _sse(chunk)
+        for choice in chunk.get("choices") or []:
+            self.progress.token_ids.extend(choice.get("token_ids") or [])
+            self.progress.text_len += len(choice.get("text") or "")
+            if choice.get("finish_reason") is not None:
+                self.progress.is_finished = True
         out: dict[str, Any] = {
             "id": self._first.id,
             "object": "chat.completion.chunk"

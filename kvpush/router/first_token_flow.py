@@ -2,9 +2,10 @@
 
 kvpush's early and late flows (``dispatch.py``) call :func:`stream_first`
 once prefill answered: it opens the client's stream with ``t1``; then
-:func:`follow` relays decode's stream without its copy of ``t1`` and, when
-decode diverges or fails, :func:`_continue` finishes the output from a
-decode with a continuation request. From the first byte the client got, the
+:func:`follow` relays decode's stream (early binding: without its copy of
+``t1``; late binding: decode's leg is already a continuation from ``t1``)
+and, when decode diverges or fails, :func:`_continue` finishes the output
+from a decode with a continuation request. From the first byte the client got, the
 request is no longer retried: whatever fails after is continued or ends the
 stream with an error event.
 """
@@ -65,10 +66,18 @@ async def follow(
     first: FirstToken,
     decode: Backend,
     opened: Opened,
+    *,
+    from_first: bool = False,
 ) -> None:
     """Relay decode's stream after ``t1`` (``opened``: its leg being opened);
-    continue elsewhere when it diverges or fails."""
-    echo = DecodeEcho(ctx.parsed, first)
+    continue elsewhere when it diverges or fails. Decode's leg is the
+    client's request (its copy of ``t1`` is dropped) or, ``from_first``, a
+    continuation from ``t1`` (:func:`continuation_body`)."""
+    echo: DecodeEcho | Continuation
+    if from_first:
+        echo = Continuation(ctx.parsed, first, Progress())
+    else:
+        echo = DecodeEcho(ctx.parsed, first)
     response: aiohttp.ClientResponse | None = None
     try:
         response, data = await opened

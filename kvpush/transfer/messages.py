@@ -457,13 +457,18 @@ class DecodeLeg(TransferParams, frozen=True, tag="decode"):
     goes into the Registration: it is what lets this decode claim a
     prefill leg that named no decode. ``prefill_tp`` is the prefill
     instance's TP size: its rank ``r`` listens on ``prefill_port + r``
-    (:mod:`kvpush.transfer.ranks`), and decode registers with every rank."""
+    (:mod:`kvpush.transfer.ranks`), and decode registers with every rank.
+    ``num_kv_tokens``, when set, is how many of the request's prompt tokens
+    prefill computed and pushes: the first ones, the rest decode computes
+    (late binding with the first token from prefill: decode's prompt ends
+    with that token, and its first step computes it)."""
 
     prefill_engine_id: Name
     prefill_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
     prefill_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     claim_token: ClaimToken | None = None
     prefill_tp: TpSize = 1
+    num_kv_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_port + self.prefill_tp - 1 > 65535:

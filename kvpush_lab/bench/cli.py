@@ -41,7 +41,8 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
      "(default colocated,vllm-pull,vllm-push,kvpush; kvpush-auto, kvpush-early, "
      "kvpush-late, kvpush-skip: kvpush with that router --binding; "
      "kvpush-first-token-decode: kvpush's router with --first-token-from "
-     "decode; kvpush.request, kvpush.chunk, kvpush.layer, kvpush.auto: kvpush with "
+     "decode (kvpush-late-first-token-decode: and --binding late); "
+     "kvpush.request, kvpush.chunk, kvpush.layer, kvpush.auto: kvpush with "
      "prefill at that --push-granularity, a cluster each)"),
     ("--prefill", "num_prefill", int, "prefill instances of P/D configurations (1)"),
     ("--decode", "num_decode", int, "decode instances of P/D configurations (1)"),

@@ -6,7 +6,8 @@
   with its router's ``--binding`` forced or decided;
 - ``kvpush-first-token-decode``: kvpush with its router's
   ``--first-token-from decode`` (the client's first token is decode's, as
-  before the router streamed prefill's; the default is prefill's);
+  before the router streamed prefill's; the default is prefill's), and
+  ``kvpush-<binding>-first-token-decode`` with that binding too;
 - ``kvpush.<granularity>`` (``kvpush.request``, ``kvpush.chunk``,
   ``kvpush.layer``, ``kvpush.auto``): kvpush with prefill's connector at
   that ``--push-granularity``.
@@ -27,17 +28,22 @@ from kvpush.topology import MODES
 BINDING_CONFIGS = {f"kvpush-{policy}": policy for policy in POLICIES}
 # kvpush with prefill pushing per request, chunk or layer (or choosing: auto)
 GRANULARITY_CONFIGS = {f"kvpush.{g}": g for g in PUSH_GRANULARITIES}
-# kvpush with its router's first token from decode (the default: prefill)
-FIRST_TOKEN_CONFIGS = {"kvpush-first-token-decode": "decode"}
+# kvpush with its router's first token from decode (the default: prefill),
+# with the router's default binding or a forced one (kvpush-late-first-token-decode)
+FIRST_TOKEN_CONFIGS = {
+    f"{base}-first-token-decode": "decode" for base in ("kvpush", *BINDING_CONFIGS)
+}
 CONFIG_NAMES = (*MODES, *BINDING_CONFIGS, *FIRST_TOKEN_CONFIGS, *GRANULARITY_CONFIGS)
 
 
 def cluster_of(name: str) -> tuple[str, str | None]:
     """A configuration's cluster mode and router binding (None: the
     router's default)."""
+    if name in FIRST_TOKEN_CONFIGS:
+        name = name.removesuffix("-first-token-decode")
     if name in BINDING_CONFIGS:
         return "kvpush", BINDING_CONFIGS[name]
-    if name in GRANULARITY_CONFIGS or name in FIRST_TOKEN_CONFIGS:
+    if name in GRANULARITY_CONFIGS:
         return "kvpush", None
     return name, None
 

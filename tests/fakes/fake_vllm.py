@@ -72,6 +72,9 @@ def _tokens(text: str, max_tokens: int) -> list[str]:
 
 def _output_tokens(rec: Received, fault: Fault | None) -> list[str]:
     """A request's output tokens (the first one changed by a diverging fault)."""
+    if rec.continues is not None:  # the pushed prompt's output, from further on
+        skip = len(rec.body["prompt"]) - len(fake_tokens(rec.continues))
+        return _tokens(rec.continues, skip + _max_tokens(rec.body))[skip:]
     tokens = _tokens(prompt_text(rec.body), _max_tokens(rec.body))
     if fault is not None and fault.diverge and rec.kv_transfer_params is not None:
         tokens[0] = " DIVERGED"
@@ -120,6 +123,9 @@ class Received:
     answered_at: float | None = None
     is_cancelled: bool = False
     answer: dict[str, Any] | None = None
+    # A decode leg whose prompt is token ids (a continuation from the first
+    # token): the prompt text whose KV it received, the ids' first part.
+    continues: str | None = None
 
     @property
     def request_id(self) -> str | None:
@@ -318,6 +324,13 @@ class FakeVllm:
             return None
         if prompt is None:
             return f"KV for {remote_id} never arrived"
+        num_kv_tokens = params.get("num_kv_tokens")
+        if num_kv_tokens is not None:  # the prompt: those ids, then more
+            ids = rec.body.get("prompt")
+            if not isinstance(ids, list) or ids[:num_kv_tokens] != fake_tokens(prompt):
+                return f"KV for {remote_id} is not the first {num_kv_tokens} tokens"
+            rec.continues = prompt
+            return None
         if prompt != prompt_text(rec.body):
             return f"KV for {remote_id} belongs to another prompt"
         return None

@@ -71,6 +71,9 @@ def test_kvpush_first_token_decode_runs_kvpush_with_decodes_first_token() -> Non
     assert (made.mode, made.first_token_from) == ("kvpush", "decode")
     default = cluster_config(config, "kvpush", Path("/m"), Path("/r"))
     assert default.first_token_from is None
+    late = "kvpush-late-first-token-decode"
+    made = cluster_config(BenchConfig(configs=(late,)), late, Path("/m"), Path("/r"))
+    assert (made.binding, made.first_token_from) == ("late", "decode")
 
 
 def test_unknown_names_and_unsupported_bindings_say_what_to_use(

@@ -196,6 +196,31 @@ def test_without_a_local_hit_every_prompt_block_is_registered(decode):
     assert (reg.dst_block_ids, reg.first_block) == ((5, 6, 7, 8, 9), 0)
 
 
+def test_a_leg_pushing_the_prompts_first_tokens_claims_and_registers_those(decode):
+    # Late binding from prefill's first token: decode's prompt is the
+    # prompt prefill computed (512 tokens: exactly 4 blocks) and that
+    # token; only the 512 are pushed, and vLLM computes the last one.
+    sched, peers = decode
+    leg = DecodeLeg.from_dict({**DECODE_PARAMS, "num_kv_tokens": 512})
+    req = FakeRequest("r1", leg.to_dict(), num_prompt_tokens=513)
+    assert sched.get_num_new_matched_tokens(req, 128) == (512 - 128, True)
+
+    sched.update_state_after_alloc(req, FakeBlocks([7, 1, 2, 3, 9]), 512 - 128)
+
+    (reg,) = peers.messages(Registration)
+    assert (reg.num_tokens, reg.first_block, reg.dst_block_ids) == (512, 1, (1, 2, 3))
+
+
+def test_a_leg_claiming_more_tokens_than_the_prompt_is_served_locally(decode):
+    sched, peers = decode
+    params = {**DECODE_PARAMS, "num_kv_tokens": PROMPT + 1}
+    req = FakeRequest("r1", params)
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.counters.get("rejected.incompatible") == 1
+    assert peers.messages(Registration) == []
+
+
 def test_a_registered_request_claims_nothing_more(decode):
     sched, peers = decode
     req = FakeRequest("r1", DECODE_PARAMS)

@@ -174,6 +174,64 @@ async def test_a_decode_killed_after_the_first_token_is_continued_on_another(
     assert b'"error"' not in reply.body
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_a_late_bound_decode_is_sent_a_continuation_from_the_first_token(
+    endpoint: str,
+) -> None:
+    # Bound after prefill answered, decode's leg already ends with t1: the
+    # KV of the prompt before it is pushed, and decode's first step computes
+    # t1 and samples the second token (no step spent on a copy of t1).
+    async with routed("kvpush", routing=LATE) as r:
+        reply = await r.post(PATHS[endpoint], _body(endpoint))
+        served = await _first_token_count(r, "prefill")
+        (prefill,) = r.cluster.prefills[0].received
+        (decode,) = r.cluster.decodes[0].received
+    assert reply.status == 200, reply.body
+    prompt_ids = fake_tokens(PROMPT)
+    assert decode.path == "/v1/completions"
+    assert decode.body["prompt"] == [*prompt_ids, fake_tokens("THE")[0]]
+    assert decode.body["max_tokens"] == 4
+    params = decode.kv_transfer_params
+    assert params["num_kv_tokens"] == len(prompt_ids)
+    assert params["claim_token"] and params["transfer_id"]
+    assert decode.continues == PROMPT  # the fake paired it with prefill's KV
+    chunks = _chunks(reply.events())
+    assert _text(endpoint, chunks) == expected_text(PROMPT, 5)
+    assert _usage(chunks) == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 5,
+        "total_tokens": len(prompt_ids) + 5,
+    }
+    assert {c["id"] for c in chunks} == {f"cmpl-{prefill.request_id}"}
+    assert served == 1
+
+
+async def test_a_late_bound_decode_killed_mid_stream_is_continued_on_another() -> None:
+    async with routed("kvpush", num_decodes=2, routing=LATE) as r:
+        first, second = r.cluster.decodes
+        for decode in (first, second):  # drops its connection after one event
+            decode.fault = Fault(reset_after_chunks=1, legs_only=True)
+        reply = await r.post(PATHS["completions"], _body("completions"))
+        continued = await _first_token_count(r, "continued")
+    assert reply.status == 200, reply.body
+    failed, other = (first, second) if first.received[:1] else (second, first)
+    (leg,) = failed.received
+    (continuation,) = other.received
+    assert leg.kv_transfer_params["num_kv_tokens"] == len(fake_tokens(PROMPT))
+    assert "kv_transfer_params" not in continuation.body
+    # t1 and the token the failed decode sent after it end the new prompt
+    assert continuation.body["prompt"] == [
+        *fake_tokens(PROMPT),
+        *fake_tokens("THE QUICK"),
+    ]
+    assert continuation.body["max_tokens"] == 3
+    chunks = _chunks(reply.events())
+    rest = expected_text(str(continuation.body["prompt"]), 3)
+    assert _text("completions", chunks) == " THE QUICK" + rest
+    assert _usage(chunks)["completion_tokens"] == 5
+    assert continued == 1
+
+
 async def test_the_token_ids_a_client_asked_for_follow_its_text() -> None:
     body = _body("completions", return_token_ids=True)
     async with routed("kvpush", routing=EARLY) as r:

@@ -103,9 +103,10 @@ class DecodeScheduler:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Every prompt token not in the local prefix cache will be pushed
-        (asynchronously). A full local hit cancels the transfer. A sibling
-        waits (None) while its first's receive is pending."""
+        """Every prompt token prefill computed (:func:`pushed_tokens`) and
+        the local prefix cache lacks will be pushed (asynchronously). A
+        full local hit cancels the transfer. A sibling waits (None) while
+        its first's receive is pending."""
         leg = self._legs.of(request)
         rid = request.request_id
         if not isinstance(leg, DecodeLeg) or rid in self._closed:
@@ -123,7 +124,17 @@ class DecodeScheduler:
             logger.error("kvpush: serving %s locally: %s", rid, problem)
             self._give_up(rid, leg, problem)
             return 0, False
-        num_external = request.num_prompt_tokens - num_computed_tokens
+        pushed = pushed_tokens(request, leg)
+        if pushed is None:
+            self.counters.add("rejected.incompatible")
+            problem = (
+                f"the leg's num_kv_tokens={leg.num_kv_tokens} exceeds the "
+                f"prompt's {request.num_prompt_tokens} tokens"
+            )
+            logger.error("kvpush: serving %s locally: %s", rid, problem)
+            self._give_up(rid, leg, problem)
+            return 0, False
+        num_external = pushed - num_computed_tokens
         if num_external <= 0:
             self._give_up(rid, leg, "decode holds the whole prompt")
             return 0, False
@@ -197,13 +208,14 @@ class DecodeScheduler:
     def _register(self, request: Any, leg: DecodeLeg, block_ids: list[int]) -> None:
         rid, bs = request.request_id, self.config.block_size
         first = self._local_hits.pop(rid, 0) // bs
-        dst = tuple(block_ids[first : math.ceil(request.num_prompt_tokens / bs)])
+        num_tokens = pushed_tokens(request, leg) or request.num_prompt_tokens
+        dst = tuple(block_ids[first : math.ceil(num_tokens / bs)])
         reg = Registration(
             transfer_id=leg.transfer_id,
             decode_engine_id=self.config.engine_id,
             decode_boot_id=self.config.boot_id,
             dst_block_ids=dst,
-            num_tokens=request.num_prompt_tokens,
+            num_tokens=num_tokens,
             ttl_s=self.config.registration_ttl_s,
             first_block=first,
             claim_token=leg.claim_token,  # late binding: what lets us claim it
@@ -302,6 +314,18 @@ class DecodeScheduler:
     def close(self) -> None:
         self._peers.close()
         self.tracer.close()
+
+
+def pushed_tokens(request: Any, leg: DecodeLeg) -> int | None:
+    """How many of the request's first prompt tokens prefill pushes: the
+    leg's ``num_kv_tokens`` (its prompt ends with tokens decode computes,
+    as the first token from prefill) or the whole prompt; None when the leg
+    claims more tokens than the prompt has."""
+    if leg.num_kv_tokens is None:
+        return int(request.num_prompt_tokens)
+    if leg.num_kv_tokens > request.num_prompt_tokens:
+        return None
+    return leg.num_kv_tokens
 
 
 def _rank_ports(leg: DecodeLeg) -> list[tuple[int, int]]:
