@@ -112,6 +112,8 @@ def test_every_forced_binding_matches_colocated(
 ) -> None:
     before = _settled_prefill_requests(xpyd.cluster)
     legs_before = _router_prefill_legs(xpyd.urls[binding])
+    firsts_before = _router_first_tokens(xpyd.urls[binding])
+    events_before = faults.counters(xpyd.cluster)
     decodes = set()
     for name in SHAPE_NAMES:
         reply = workload.send(xpyd.urls[binding], *workload.SHAPES[name])
@@ -127,6 +129,18 @@ def test_every_forced_binding_matches_colocated(
     assert legs == (0 if binding == "skip" else len(SHAPE_NAMES))
     if binding == "skip":
         assert _settled_prefill_requests(xpyd.cluster) == before  # none ran
+    else:  # chat-stream's first token came from prefill, decode followed it
+        # (bound late: decode's leg continued from that token, its KV pushed)
+        firsts = _router_first_tokens(xpyd.urls[binding])
+        assert firsts["prefill"] - firsts_before.get("prefill", 0.0) == 1, firsts
+        events = faults.counters(xpyd.cluster)
+        rejected = {
+            (n, e): c - events_before[n][e]
+            for n, counts in events.items()
+            for e, c in counts.items()
+            if e.startswith("rejected.") and c > events_before[n][e]
+        }
+        assert rejected == {}
 
 
 @pytest.mark.parametrize("binding", ["early", "late"])
