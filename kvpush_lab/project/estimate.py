@@ -53,6 +53,9 @@ class Estimate:
     phases: tuple[Phase, ...]
     decode_step_ms: float  # the step, without the stall
     stall_ms: float  # added to each decode step by posts on decode's loop
+    # kvpush's router streaming prefill's first token (its default): what
+    # the client waits for that token, when the request has a prefill leg
+    first_from_prefill: tuple[Phase, ...] | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -66,6 +69,21 @@ class Estimate:
     @property
     def tpot_ms(self) -> float:
         return self.decode_step_ms + self.stall_ms
+
+    @property
+    def first_from_prefill_ms(self) -> float | None:
+        """TTFT with prefill's first token, or None (no prefill leg)."""
+        if self.first_from_prefill is None:
+            return None
+        return sum(p.ms for p in self.first_from_prefill)
+
+    @property
+    def second_token_ms(self) -> float | None:
+        """With prefill's first token, early-bound: decode's first step
+        computes that token again, its second samples the second token."""
+        if self.first_from_prefill is None:
+            return None
+        return self.ttft_ms + self.decode_step_ms
 
 
 @dataclass(frozen=True)
@@ -187,6 +205,10 @@ def _transfer_scenario(inputs: Inputs, d: Derived, name: str, descs: int) -> Sce
         ),
         step,
         0.0,
+        first_from_prefill=(
+            prefill,
+            Phase("answer (its first token) -> router -> client", inputs.hop_ms),
+        ),
     )  # fmt: skip
     estimates = (pull, push, kvpush)
     joining = d.transfers_per_step

@@ -23,6 +23,7 @@ def render(
 ) -> None:
     console.print(f"[bold yellow]{LABEL}[/]")
     console.print(_result_table(inputs, scenarios))
+    console.print(_first_token_table(scenarios))
     _print_assumptions(console, inputs)
     console.print(_derived_table(inputs, prompts))
     _print_comparisons(console, comparisons)
@@ -60,6 +61,30 @@ def _result_table(inputs: Inputs, scenarios: list[Scenario]) -> Table:
                 f"{s.tpot_ratio(e.config):.2f}",
                 end_section=i == len(s.estimates) - 1,
             )
+    return t
+
+
+def _first_token_table(scenarios: list[Scenario]) -> Table:
+    t = Table(
+        title="kvpush with the first token from prefill (the router's default)",
+        caption="ms; early binding: decode's first step computes that token "
+        "again, its second samples the second token; ÷ pull: over vllm-pull's TTFT",
+    )
+    for col in ("scenario", "prompt", "TTFT", "÷ pull", "second token", "÷ pull"):
+        t.add_column(col, justify="right" if col != "scenario" else "left")
+    for s in scenarios:
+        e, pull = s.get("kvpush"), s.get("vllm-pull").ttft_ms
+        first, second = e.first_from_prefill_ms, e.second_token_ms
+        if first is None or second is None:
+            continue  # no prefill leg
+        t.add_row(
+            s.name,
+            f"{s.prompt_tokens:,}",
+            f"{first:.1f}",
+            f"{first / pull:.2f}",
+            f"{second:.1f}",
+            f"{second / pull:.2f}",
+        )
     return t
 
 

@@ -109,6 +109,11 @@ def _scenario_json(s: Scenario) -> dict[str, Any]:
                 for p in e.phases
             ],
         }
+        if e.first_from_prefill is not None:
+            configs[e.config]["first_token_from_prefill"] = {
+                "ttft_ms": e.first_from_prefill_ms,
+                "second_token_ms": e.second_token_ms,
+            }
     return {
         "scenario": s.name,
         "prompt_tokens": s.prompt_tokens,

@@ -14,7 +14,14 @@ import pytest
 from kvpush.cli import main
 from kvpush.model.kv_size import kv_bytes_per_token
 from kvpush_lab.project.compare import CLAIMS, compare
-from kvpush_lab.project.estimate import CONFIGS, SCENARIOS, Scenario, derive, project
+from kvpush_lab.project.estimate import (
+    CONFIGS,
+    PREFILL,
+    SCENARIOS,
+    Scenario,
+    derive,
+    project,
+)
 from kvpush_lab.project.inputs import PARAMS, Inputs, default_inputs
 from kvpush_lab.project.report import LABEL, assumptions, to_json
 from kvpush_lab.project.shape import BUILTIN_CONFIGS, ModelShape, load_shape
@@ -150,6 +157,18 @@ def test_vllm_push_waits_a_step_more_than_kvpush_for_its_notification() -> None:
         return s.get("vllm-push").ttft_ms - s.get("kvpush").ttft_ms
 
     assert gap(30.0) - gap(20.0) == pytest.approx(10.0)
+
+
+def test_prefills_first_token_waits_for_prefill_and_one_hop_only() -> None:
+    for s in project(default_inputs()):
+        kvpush = s.get("kvpush")
+        if s.name == "decode-prefix-hit":  # skipped: no prefill leg
+            assert kvpush.first_from_prefill_ms is None
+            continue
+        prefill = next(p.ms for p in kvpush.phases if p.label == PREFILL)
+        assert kvpush.first_from_prefill_ms == prefill + default_inputs().hop_ms
+        assert kvpush.second_token_ms == kvpush.ttft_ms + kvpush.decode_step_ms
+        assert kvpush.first_from_prefill_ms < s.get("vllm-pull").ttft_ms
 
 
 def test_overrides_replace_the_derived_step_and_prefill() -> None:
