@@ -7,7 +7,11 @@
 - **late**: the prefill leg first, naming no decode but carrying the hash
   of a claim token; the decode is chosen when prefill answers (its KV is
   computed and held), and the decode leg carries the token, which is what
-  lets that one decode claim the ready KV (``kvpush.transfer.matcher``).
+  lets that one decode claim the ready KV (``kvpush.transfer.matcher``);
+- **prefill**: no decode leg; a prefill answers the client's request
+  alone (a plain request: nothing held, nothing moved). ``auto``'s choice
+  for a request of one token at most (``max_tokens`` 1): it has no decode
+  phase.
 
 :func:`decide` is the policy, pure. The router's ``--binding`` is ``auto``
 or forces one binding. ``auto`` skips when the decode chosen would have to
@@ -31,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Binding = Literal["early", "late", "skip"]
+Binding = Literal["early", "late", "skip", "prefill"]
 BindingPolicy = Literal["auto", "early", "late", "skip"]
 POLICIES: tuple[str, ...] = ("auto", "early", "late", "skip")
 DEFAULT_SKIP_MAX_NEW_TOKENS = 256  # two CPU blocks of 128 tokens
@@ -50,6 +54,7 @@ Reason = Literal[
     "tokens_unknown",  # the prompt could not be counted: bind early
     "no_prefill",  # no usable prefill: decode computes the prompt
     "prompt_logprobs",  # vLLM loads no KV for it: decode computes the prompt
+    "one_token",  # max_tokens 1: no decode phase, prefill answers alone
 ]
 
 
@@ -62,6 +67,7 @@ class BindingDecision:
 
     @property
     def has_prefill_leg(self) -> bool:
+        """A prefill serves the request (with a decode leg or alone)."""
         return self.binding != "skip"
 
 
@@ -90,6 +96,7 @@ def decide(
     decode_busy: float = 0.0,
     late_min_busy: float = DEFAULT_LATE_MIN_BUSY,
     prompt_logprobs: bool = False,
+    one_token: bool = False,
 ) -> BindingDecision:
     """The binding of one request on its chosen decode.
 
@@ -98,7 +105,9 @@ def decide(
     blocks of ``block_size``); ``has_prefill`` whether any prefill is usable;
     ``decode_busy`` the chosen decode's busy score (the best decode's, as
     the decode is chosen by score first); ``prompt_logprobs`` whether the
-    request asks for them (then vLLM loads no KV for it: skip).
+    request asks for them (then vLLM loads no KV for it: skip);
+    ``one_token`` whether it asks for one token at most (``auto``: a
+    prefill answers it alone).
     """
     if prompt_logprobs:
         return BindingDecision("skip", "prompt_logprobs")
@@ -108,6 +117,8 @@ def decide(
         check_policy(policy)
     if not has_prefill:
         return BindingDecision("skip", "no_prefill")
+    if one_token:
+        return BindingDecision("prefill", "one_token")
     if num_prompt_tokens is None:
         return BindingDecision("early", "tokens_unknown")
     new = num_new_tokens(num_prompt_tokens, num_held_tokens)

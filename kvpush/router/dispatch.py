@@ -183,13 +183,19 @@ async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
     and, for a prefill leg, the prefill. Skip: decode alone gets the client's
     body unchanged and computes what its prefix cache lacks (always so for a
     request asking for prompt logprobs: vLLM would load no pushed KV for
-    it, ``binding.py``). Early: both legs at once (:func:`_early_flow`).
+    it, ``binding.py``). Prefill: a prefill gets the client's body unchanged
+    and answers alone (one token: no decode phase). Early: both legs at
+    once (:func:`_early_flow`).
     Late: prefill first, then the decode chosen on the load of that moment
     (:func:`_late_flow`)."""
     if ctx.routing is None:
         raise RuntimeError("kvpush mode needs the router's Routing")
     plan = await ctx.routing.plan(ctx)
     prefill = plan.prefill
+    if plan.decision.binding == "prefill" and prefill is not None:
+        ctx.take(prefill)  # it alone answers: decode holds nothing after
+        response, first = await open_first(ctx, "prefill", prefill, ctx.parsed.raw)
+        return await relay(ctx, "prefill", prefill, response, first)
     ctx.leg_fields = _first_token_fields(ctx) if prefill is not None else {}
     if prefill is None:
         ctx.take(plan.decode)

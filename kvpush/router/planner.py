@@ -63,6 +63,7 @@ class Prompt:
     tokens: tuple[int, ...] | None
     session: str | None = None
     prompt_logprobs: bool = False
+    one_token: bool = False  # max_tokens 1: no decode phase
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class RoutePlan:
     """One attempt's route. ``prefill`` is None exactly when skipping;
     ``hashes`` are the prompt's full-block hashes (recorded on success).
     Bound late, ``decode`` is the one the binding was decided on until the
-    flow replaces it with the decode it claims for (``dataclasses.replace``)."""
+    flow replaces it with the decode it claims for (``dataclasses.replace``);
+    bound to ``prefill`` alone, no decode serves it."""
 
     decode: Backend
     prefill: Backend | None
@@ -129,14 +131,15 @@ class Planner:
             decode_busy=busy_score(self._load(decode, now), self.config.weights),
             late_min_busy=self.config.late_min_busy,
             prompt_logprobs=prompt.prompt_logprobs,
+            one_token=prompt.one_token,
         )
-        if decision.binding != "late":  # a late choice takes its turn later
+        if decision.binding not in ("late", "prefill"):  # late: its turn comes later
             self._num_decode_picks += 1
         prefill = None
         if decision.has_prefill_leg:
             if not ready_prefills:
                 raise no_healthy_instance("prefill", len(prefills))
-            pair = None if decision.binding == "late" else decode
+            pair = decode if decision.binding == "early" else None
             prefill = self.choose_prefill(ready_prefills, pair, now)
         return RoutePlan(decode, prefill, decision, reason, held, hashes)
 

@@ -25,6 +25,7 @@ import aiohttp
 
 from kvpush.router.config import RouterConfig
 from kvpush.router.context import FlowContext
+from kvpush.router.first_token import max_new_tokens
 from kvpush.router.health import HealthBoard
 from kvpush.router.kv_feed import KvEventFeed
 from kvpush.router.metrics import RouterMetrics
@@ -100,7 +101,9 @@ class Routing:
             plan.decision.binding,
             plan.decision.reason,
         )
-        if plan.decision.binding != "late":  # its decode is chosen later
+        if plan.decision.binding == "prefill":  # no decode serves it
+            ctx.response_headers = {BINDING_HEADER: plan.decision.binding}
+        elif plan.decision.binding != "late":  # its decode is chosen later
             self._announce(ctx, plan)
         return plan
 
@@ -143,8 +146,9 @@ class Routing:
         )
         if ctx.parsed.wants_prompt_logprobs:  # skips, and reads no prefix cache
             return Prompt(tokens=None, session=session, prompt_logprobs=True)
-        if self.config.routing.binding != "auto":
-            return Prompt(tokens=None, session=session)
+        one_token = max_new_tokens(ctx.parsed) == 1
+        if self.config.routing.binding != "auto" or one_token:
+            return Prompt(tokens=None, session=session, one_token=one_token)
         tokens = await self._tokens(ctx)
         if tokens is None:
             self._metrics.error("tokenize_failed")

@@ -5,7 +5,8 @@ lands on the decode that holds it and sends no prefill leg at all (neither
 prefill's own request counter moves); a late-bound request whose decode
 never registers is served by decode's own prefill once prefill freed the
 KV at its ready deadline; a decode that dropped its cache is known to have
-dropped it (vLLM's KV cache events) and gets both legs again; a killed
+dropped it (vLLM's KV cache events) and gets both legs again; a request
+for one token is answered by a prefill alone; a killed
 decode's traffic moves to the other (a stream it served after prefill's
 first token went out is continued there from that token) and nothing is
 left holding KV.
@@ -259,6 +260,25 @@ def test_the_router_learns_from_kv_events_that_a_decode_dropped_its_cache(
     )
     pushed = _send(xpyd.urls["early"], second_body, {"x-session-id": "other-events"})
     assert workload.mismatch(pushed, second) is None, workload.mismatch(pushed, second)
+
+
+def test_a_request_for_one_token_is_answered_by_a_prefill_alone(
+    xpyd: Routers, reference: workload.Outputs
+) -> None:
+    # No decode phase: the default router sends no decode leg; colocated's
+    # first token, and nothing held anywhere after (the check below).
+    path, body = workload.SHAPES["completion-long"]
+    before = _settled_prefill_requests(xpyd.cluster)
+    reply = workload.send(xpyd.urls["auto"], path, {**body, "max_tokens": 1})
+    assert reply.status == 200, reply.body
+    assert reply.headers["x-kvpush-binding"] == "prefill"
+    expected = reference["completion-long"]
+    assert reply.text and expected.text.startswith(reply.text)
+    (logprob,) = client.token_logprobs(reply)
+    assert (
+        abs(logprob - client.token_logprobs(expected)[0]) <= workload.LOGPROB_TOLERANCE
+    )
+    assert _settled_prefill_requests(xpyd.cluster) == before + 1
 
 
 def test_no_blocks_held_after_the_requests(xpyd: Routers) -> None:

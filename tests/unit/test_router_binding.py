@@ -34,6 +34,26 @@ def test_auto_skips_a_short_fresh_prompt_and_binds_a_long_one_early() -> None:
     assert _auto(257) == BindingDecision("early", "new_tokens")
 
 
+def test_auto_lets_prefill_answer_a_request_for_one_token_alone() -> None:
+    def one(policy: str, has_prefill: bool = True, logprobs: bool = False):
+        return decide(
+            policy,  # type: ignore[arg-type]
+            num_prompt_tokens=None,
+            num_held_tokens=0,
+            block_size=128,
+            skip_max_new_tokens=256,
+            has_prefill=has_prefill,
+            prompt_logprobs=logprobs,
+            one_token=True,
+        )
+
+    assert one("auto") == BindingDecision("prefill", "one_token")
+    assert one("auto").has_prefill_leg
+    assert one("auto", has_prefill=False) == BindingDecision("skip", "no_prefill")
+    assert one("auto", logprobs=True) == BindingDecision("skip", "prompt_logprobs")
+    assert one("early") == BindingDecision("early", "forced")  # forced stays
+
+
 def test_auto_binds_early_when_the_prompt_was_not_counted() -> None:
     assert _auto(None, held=0) == BindingDecision("early", "tokens_unknown")
 

@@ -75,6 +75,32 @@ async def test_a_conversations_next_turn_skips_prefill_on_the_same_decode(
     assert _binding_count(metrics, "skip", "few_new_tokens") == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_for_one_token_is_answered_by_a_prefill_alone(
+    stream: bool,
+) -> None:
+    # No decode phase: no decode leg, no KV held or moved, no /tokenize hop.
+    body = {**COMPLETION, "max_tokens": 1, "stream": stream}
+    async with routed("kvpush", num_decodes=2, routing=_routing("auto")) as r:
+        _tokenizing(r)
+        reply = await _post(r, body)
+        metrics = (await r.get("/metrics")).body.decode()
+        (prefill,) = r.cluster.prefills
+        (leg,) = prefill.received
+        assert [d.received for d in r.cluster.decodes] == [[], []]
+        assert [f.tokenized for f in r.cluster.fakes] == [[], [], []]
+    assert reply.headers["x-kvpush-binding"] == "prefill"
+    assert "x-kvpush-decode" not in reply.headers
+    assert leg.body == body  # the client's body: a plain request
+    assert leg.path == "/v1/completions"
+    if not stream:
+        text = reply.json()["choices"][0]["text"]
+        assert text == expected_text(LONG_PROMPT, 1)
+    else:
+        assert expected_text(LONG_PROMPT, 1).encode() in reply.body
+    assert _binding_count(metrics, "prefill", "one_token") == 1
+
+
 async def test_forced_skip_sends_the_client_body_to_decode_alone() -> None:
     async with routed("kvpush", num_decodes=2, routing=_routing("skip")) as r:
         for i in range(4):
