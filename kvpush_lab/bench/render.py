@@ -200,10 +200,11 @@ def _setup(sections: Sequence[SectionResults]) -> str:
 
 
 def _plots(benches: Sequence[SectionResults]) -> str:
-    """The first plot of the first sections, those that sweep something
-    first (a plot of one point shows little)."""
+    """The first plot of the sections that sweep the most points (the
+    prompt-length sweep first; a plot of one point shows little)."""
     plotted = [s for s in benches if s.plots]
     swept = [s for s in plotted if len(s.points) > 1]
+    swept.sort(key=lambda s: (not _is_prompt_sweep(s), -len(s.points)))
     ranked = swept + [s for s in plotted if s not in swept]
     shown = [(s, s.plots[0]) for s in ranked][:NUM_PLOTS]
     if not shown:
