@@ -440,6 +440,18 @@ def test_continuation_shifts_completion_text_offsets_past_the_text_sent() -> Non
     assert rest["logprobs"]["text_offset"] == [10]  # " THE" (4) + 6 relayed
 
 
+def test_continuation_counts_what_it_relays_after_what_the_client_had() -> None:
+    had = Progress(token_ids=[8], text_len=6)
+    rewrite = Continuation(_parsed("completions"), _first(), had)
+    fox = {"index": 0, "text": " FOX", "token_ids": [9], "finish_reason": None}
+    end = {"index": 0, "text": " END", "token_ids": [10], "finish_reason": "length"}
+    rewrite.feed(_event({"choices": [fox]}) + _event({"choices": [end]}))
+    assert rewrite.progress == Progress([8, 9, 10], 14, is_finished=True)
+    rewrite.feed(b"data: [DONE]\n\n")
+    assert rewrite.progress.is_done
+    assert had == Progress(token_ids=[8], text_len=6)  # the caller's is untouched
+
+
 def test_only_stripping_ids_passes_errors_and_odd_events_through() -> None:
     echo = DecodeEcho(_parsed("completions"), None)
     error = _event({"error": {"message": "boom"}})
