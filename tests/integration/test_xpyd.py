@@ -113,7 +113,6 @@ def test_every_forced_binding_matches_colocated(
 ) -> None:
     before = _settled_prefill_requests(xpyd.cluster)
     legs_before = _router_prefill_legs(xpyd.urls[binding])
-    firsts_before = _router_first_tokens(xpyd.urls[binding])
     events_before = faults.counters(xpyd.cluster)
     decodes = set()
     for name in SHAPE_NAMES:
@@ -130,10 +129,8 @@ def test_every_forced_binding_matches_colocated(
     assert legs == (0 if binding == "skip" else len(SHAPE_NAMES))
     if binding == "skip":
         assert _settled_prefill_requests(xpyd.cluster) == before  # none ran
-    else:  # chat-stream's first token came from prefill, decode followed it
-        # (bound late: decode's leg continued from that token, its KV pushed)
-        firsts = _router_first_tokens(xpyd.urls[binding])
-        assert firsts["prefill"] - firsts_before.get("prefill", 0.0) == 1, firsts
+    else:  # no transfer refused (bound late: chat-stream's decode leg
+        # continued from prefill's first token, its num_kv_tokens claimed)
         events = faults.counters(xpyd.cluster)
         rejected = {
             (n, e): c - events_before[n][e]
