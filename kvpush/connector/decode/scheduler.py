@@ -118,23 +118,13 @@ class DecodeScheduler:
             return 0, False
         if first is not None:
             return self._sibling(rid, first, leg), False
-        problem = self._tp_problem(leg)
+        problem = self._tp_problem(leg) or _pushed_problem(request, leg)
         if problem is not None:
             self.counters.add("rejected.incompatible")
             logger.error("kvpush: serving %s locally: %s", rid, problem)
             self._give_up(rid, leg, problem)
             return 0, False
-        pushed = pushed_tokens(request, leg)
-        if pushed is None:
-            self.counters.add("rejected.incompatible")
-            problem = (
-                f"the leg's num_kv_tokens={leg.num_kv_tokens} exceeds the "
-                f"prompt's {request.num_prompt_tokens} tokens"
-            )
-            logger.error("kvpush: serving %s locally: %s", rid, problem)
-            self._give_up(rid, leg, problem)
-            return 0, False
-        num_external = pushed - num_computed_tokens
+        num_external = pushed_tokens(request, leg) - num_computed_tokens
         if num_external <= 0:
             self._give_up(rid, leg, "decode holds the whole prompt")
             return 0, False
@@ -208,7 +198,7 @@ class DecodeScheduler:
     def _register(self, request: Any, leg: DecodeLeg, block_ids: list[int]) -> None:
         rid, bs = request.request_id, self.config.block_size
         first = self._local_hits.pop(rid, 0) // bs
-        num_tokens = pushed_tokens(request, leg) or request.num_prompt_tokens
+        num_tokens = pushed_tokens(request, leg)
         dst = tuple(block_ids[first : math.ceil(num_tokens / bs)])
         reg = Registration(
             transfer_id=leg.transfer_id,
@@ -316,16 +306,23 @@ class DecodeScheduler:
         self.tracer.close()
 
 
-def pushed_tokens(request: Any, leg: DecodeLeg) -> int | None:
+def pushed_tokens(request: Any, leg: DecodeLeg) -> int:
     """How many of the request's first prompt tokens prefill pushes: the
     leg's ``num_kv_tokens`` (its prompt ends with tokens decode computes,
-    as the first token from prefill) or the whole prompt; None when the leg
-    claims more tokens than the prompt has."""
+    as the first token from prefill) or the whole prompt."""
     if leg.num_kv_tokens is None:
         return int(request.num_prompt_tokens)
-    if leg.num_kv_tokens > request.num_prompt_tokens:
-        return None
     return leg.num_kv_tokens
+
+
+def _pushed_problem(request: Any, leg: DecodeLeg) -> str | None:
+    """Why the leg's ``num_kv_tokens`` cannot be this request's, or None."""
+    if leg.num_kv_tokens is not None and leg.num_kv_tokens > request.num_prompt_tokens:
+        return (
+            f"the leg's num_kv_tokens={leg.num_kv_tokens} exceeds the "
+            f"prompt's {request.num_prompt_tokens} tokens"
+        )
+    return None
 
 
 def _rank_ports(leg: DecodeLeg) -> list[tuple[int, int]]:
