@@ -95,7 +95,10 @@ class FlowContext:
     legs: Legs = field(default_factory=Legs)
     attempts: Attempts = field(init=False)
     client_response: web.StreamResponse | None = None
+    # The client has its whole answer (the stream's final event is out, or
+    # its end is being sent): a hang-up from here is the client's own close.
     is_client_done: bool = False
+    sent_tail: bytes = b""  # the end of what the client was sent (for DONE)
     is_ttft_recorded: bool = False
     prefill_answered_at: float | None = None  # monotonic; for the handover metric
     first_byte_at: float | None = None  # decode's first byte/SSE event

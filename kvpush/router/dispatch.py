@@ -63,8 +63,9 @@ async def serve(ctx: FlowContext) -> web.StreamResponse:
     """Run the mode's flow for one request; called by the app's handlers."""
     ctx.metrics.request_started()
     status = "500"
+    flow = asyncio.create_task(_run_flow(ctx, FLOWS[ctx.config.mode]))
     try:
-        response, status = await _run_flow(ctx, FLOWS[ctx.config.mode])
+        response, status = await _outcome(ctx, flow)
         return response
     except asyncio.CancelledError:
         status = "499"
@@ -81,6 +82,30 @@ async def serve(ctx: FlowContext) -> web.StreamResponse:
             await asyncio.shield(ctx.legs.abort())
         finally:
             ctx.release()
+
+
+async def _outcome(
+    ctx: FlowContext, flow: asyncio.Task[tuple[web.StreamResponse, str]]
+) -> tuple[web.StreamResponse, str]:
+    """The response and status of the request's ``flow`` (a task of its
+    own). A client that hangs up cancels this handler. While its answer is
+    unfinished the flow is cancelled with it (the legs are aborted). Once
+    the client has its whole answer (clients close as soon as they read
+    ``[DONE]``, before the backend's stream has ended) the flow finishes: what
+    it records after the last byte (the first token's outcome, the prefix
+    index, the prefill leg's end) must not be lost, nor the request counted
+    as one the client left."""
+    try:
+        return await asyncio.shield(flow)
+    except asyncio.CancelledError:
+        if not ctx.is_client_done:
+            flow.cancel()
+            await asyncio.wait({flow})
+            raise
+    handler = asyncio.current_task()
+    if handler is not None:
+        handler.uncancel()  # the cancel was the client's close, not an abort
+    return await flow
 
 
 async def _run_flow(ctx: FlowContext, flow: Flow) -> tuple[web.StreamResponse, str]:

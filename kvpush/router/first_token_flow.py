@@ -53,7 +53,7 @@ async def stream_first(ctx: FlowContext, first: FirstToken) -> web.StreamRespons
     await start_client(ctx, out)
     ctx.is_ttft_recorded = True
     ctx.metrics.observe_ttft(ctx.parsed.endpoint, time.monotonic() - ctx.started_at)
-    await write_client(out, opening_events(first, ctx.parsed))
+    await write_client(ctx, out, opening_events(first, ctx.parsed))
     if ends_at_first(first, ctx.parsed):
         ctx.metrics.first_token(Outcome.ENDED.value)
         await finish_client(ctx, out)
@@ -85,7 +85,7 @@ async def follow(
             piece = echo.feed(data)
             if piece:
                 _note_second_token(ctx)
-                await write_client(out, piece)
+                await write_client(ctx, out, piece)
             data = await read_chunk("decode", decode, response)
         response.release()
         if not echo.progress.is_done:
@@ -119,7 +119,7 @@ async def _continue(
     prefix cache holds the prompt) or, when it failed, another if any."""
     if progress.is_finished:
         if not progress.is_done:
-            await write_client(out, DONE_EVENT)
+            await write_client(ctx, out, DONE_EVENT)
         await finish_client(ctx, out)
         return
     candidates = ctx.config.topology.decodes
@@ -135,7 +135,7 @@ async def _continue(
         raise RouterError.from_backend(response.status, data, "decode", backend)
     rewrite = Continuation(ctx.parsed, first, progress)
     while data:
-        await write_client(out, rewrite.feed(data))
+        await write_client(ctx, out, rewrite.feed(data))
         data = await read_chunk("decode", backend, response)
     response.release()
     await finish_client(ctx, out)

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvpush.router.context import ClientGone, FlowContext
 from kvpush.router.errors import JSON_CONTENT_TYPE, RouterError
+from kvpush.router.first_token import DONE_EVENT
 from kvpush.router.legs import is_event_stream, note_output, read_chunk, read_rest
 from kvpush.topology import Backend
 
@@ -41,7 +42,7 @@ async def relay(
         chunk = first
         while chunk:
             note_output(ctx, chunk, True)
-            await write_client(out, chunk if rewrite is None else rewrite(chunk))
+            await write_client(ctx, out, chunk if rewrite is None else rewrite(chunk))
             chunk = await read_chunk(leg, backend, response)
         response.release()  # at EOF: the connection goes back to the pool
         await finish_client(ctx, out)
@@ -79,16 +80,25 @@ async def start_client(ctx: FlowContext, out: web.StreamResponse) -> None:
     ctx.client_response = out  # the status line is out: no retry from here on
 
 
-async def write_client(out: web.StreamResponse, chunk: bytes) -> None:
+async def write_client(ctx: FlowContext, out: web.StreamResponse, chunk: bytes) -> None:
+    """Write ``chunk`` to the client; once the stream's final event
+    (``data: [DONE]``) is out, the client has its whole answer."""
     try:
         await out.write(chunk)
     except ConnectionResetError as e:
         raise ClientGone from e
+    ctx.sent_tail = (ctx.sent_tail + chunk)[-len(DONE_EVENT) :]
+    if ctx.sent_tail == DONE_EVENT:
+        ctx.is_client_done = True
 
 
 async def finish_client(ctx: FlowContext, out: web.StreamResponse) -> None:
+    """End the client's answer. A client that read the final event may
+    already have closed: its answer is complete, and that is no error."""
+    had_final_event = ctx.is_client_done
+    ctx.is_client_done = True
     try:
         await out.write_eof()
     except ConnectionResetError as e:
-        raise ClientGone from e
-    ctx.is_client_done = True
+        if not had_final_event:
+            raise ClientGone from e

@@ -96,7 +96,8 @@ class Fault:
     decode leg (one with ``kv_transfer_params``) answers ``DIVERGED`` for its
     first token (as a sampled decode could, where prefill sampled another).
     ``legs_only``: the fault spares requests without ``kv_transfer_params``
-    (the router's continuations).
+    (the router's continuations). ``hold_eof_s`` holds a stream's end that
+    long after its last event (``[DONE]``), as a slow network could.
     """
 
     status: int | None = None
@@ -110,6 +111,7 @@ class Fault:
     chunk_delay_s: float = 0.0
     diverge: bool = False
     legs_only: bool = False
+    hold_eof_s: float = 0.0
 
 
 @dataclass
@@ -392,6 +394,7 @@ class FakeVllm:
                 await asyncio.sleep(fault.chunk_delay_s)
             await out.write(event)
         rec.answered_at = time.monotonic()
+        await asyncio.sleep(fault.hold_eof_s)
         await out.write_eof()
         return out
 

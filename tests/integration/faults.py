@@ -28,7 +28,9 @@ from kvpush import client
 from kvpush.launcher import process as proc
 from kvpush.launcher.instances import FAULT_FILE
 from kvpush.router.connector_stats import events_of
-from kvpush.telemetry.reader import Name
+from kvpush.router.first_token import Outcome
+from kvpush.telemetry.names import ROUTER_FIRST_TOKEN
+from kvpush.telemetry.reader import Exposition, Name
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -53,6 +55,9 @@ SHORT_DEADLINES: dict[str, Any] = {
     "max_num_batched_tokens": 64,
 }
 FAULT_RELOAD_S = 0.3  # the connector looks at the fault file every 0.1 s
+# How long :func:`writes_held` holds each WRITE back: many times prefill's
+# answer to its leg (tens of ms), far below any deadline of a transfer.
+WRITE_HOLD_S = 1.0
 
 
 @contextlib.contextmanager
@@ -99,6 +104,43 @@ def set_faults(cluster: Cluster, **faults: Any) -> None:
     """Make the connectors of ``cluster`` misbehave (see kvpush.connector.faults)."""
     (cluster.run_dir / FAULT_FILE).write_text(json.dumps(faults))
     time.sleep(FAULT_RELOAD_S)
+
+
+@contextlib.contextmanager
+def writes_held(cluster: Cluster) -> Iterator[None]:
+    """Prefill holds every WRITE back :data:`WRITE_HOLD_S` from its match,
+    so that a decode waiting for a prompt's KV cannot have its own first
+    token before prefill answered: which of the two reaches the router
+    first is otherwise a race (streamed per layer, the KV can land before
+    prefill's answer does)."""
+    set_faults(cluster, delay_post_s=WRITE_HOLD_S)
+    try:
+        yield
+    finally:
+        set_faults(cluster)
+
+
+def first_token_outcomes(url: str) -> dict[str, float]:
+    """The router at ``url``: how many first tokens it served, by outcome."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    counts = Exposition.parse(text).by_label(ROUTER_FIRST_TOKEN, "outcome")
+    return {o.value: counts.get(o.value, 0.0) for o in Outcome}
+
+
+def first_tokens_since(
+    url: str, before: dict[str, float], count: int, timeout_s: float = 10.0
+) -> dict[str, float]:
+    """The outcomes the router at ``url`` counted since ``before`` (those
+    that grew), once ``count`` were, or as they are at the deadline: a
+    request's is counted when decode's stream has ended, which its client
+    may have read a moment before."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = first_token_outcomes(url)
+        grown = {o: now[o] - before[o] for o in now if now[o] > before[o]}
+        if sum(grown.values()) >= count or time.monotonic() >= deadline:
+            return grown
+        time.sleep(0.1)
 
 
 def instance_metrics(cluster: Cluster, name: str) -> str:

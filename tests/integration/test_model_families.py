@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -31,8 +30,6 @@ from kvpush import env
 from kvpush.model.presets import ensure_preset
 from kvpush.router.config import FirstTokenFrom
 from kvpush.router.first_token import Outcome
-from kvpush.telemetry.names import ROUTER_FIRST_TOKEN
-from kvpush.telemetry.reader import Exposition
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
@@ -139,6 +136,7 @@ class TestKvPushMla(FamilyChecks):
         **MLA_TP,
         "verify_kv": "all",
         "first_token_from": FirstTokenFrom.DECODE.value,
+        "fault_injection": True,  # the first-token check holds WRITEs back
     }
 
     @classmethod
@@ -176,17 +174,18 @@ class TestKvPushMla(FamilyChecks):
             for n in streamed
         }
         with _router_with(pd_cluster, FirstTokenFrom.PREFILL):
-            before = _first_token_outcomes(pd_cluster)
-            replies = {
-                n: workload.send(pd_cluster.url, *workload.SHAPES[n]) for n in streamed
-            }
-            after = _first_token_outcomes(pd_cluster)
+            before = faults.first_token_outcomes(pd_cluster.url)
+            with faults.writes_held(pd_cluster):  # prefill's answer comes first
+                replies = {
+                    n: workload.send(pd_cluster.url, *workload.SHAPES[n])
+                    for n in streamed
+                }
+            served = faults.first_tokens_since(pd_cluster.url, before, len(streamed))
         for name, reply in replies.items():
             assert reply.status == 200 and reply.text.startswith(firsts[name]), (
                 name, firsts[name], reply.text,
             )  # fmt: skip
             assert reply.usage and reply.usage["completion_tokens"] == 16, reply.usage
-        served = {o: after[o] - before[o] for o in after if after[o] > before[o]}
         assert sum(served.values()) == len(streamed), served
         assert set(served) <= {Outcome.PREFILL.value, Outcome.CONTINUED.value}, served
 
@@ -217,13 +216,6 @@ def _router_with(cluster: Cluster, first: FirstTokenFrom) -> Iterator[None]:
     finally:
         cluster.config = config
         cluster.restart("router")
-
-
-def _first_token_outcomes(cluster: Cluster) -> dict[str, float]:
-    """The router's first-token counts by outcome."""
-    text = urllib.request.urlopen(cluster.url + "/metrics", timeout=10).read()
-    counts = Exposition.parse(text.decode()).by_label(ROUTER_FIRST_TOKEN, "outcome")
-    return {o.value: counts.get(o.value, 0.0) for o in Outcome}
 
 
 def _all_served(

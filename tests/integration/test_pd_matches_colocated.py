@@ -8,13 +8,11 @@ leaves no process behind. kvpush runs at each push granularity: the default
 from __future__ import annotations
 
 import time
-import urllib.request
 from typing import Any, ClassVar
 
 import pytest
 
-from kvpush.telemetry.names import ROUTER_FIRST_TOKEN
-from tests.fakes.metrics import metric
+from kvpush.router.first_token import Outcome
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster
 from tests.integration.test_vllm_protocol import KvBothChecks, VllmProtocolChecks
@@ -126,23 +124,24 @@ class FirstTokenChecks:
     ) -> None:
         # The router's default: a streamed request's first token is prefill's,
         # the rest decode's (without its copy of that token). Each prompt is
-        # new to the cluster, so prefill answers before decode's first token
-        # (a decode holding the prompt can win that race, and its own first
-        # token is then relayed); sent again, decode holds it and answers
-        # alone: both replies must be the same greedy output.
-        def served() -> float:
-            text = urllib.request.urlopen(pd_cluster.url + "/metrics").read()
-            return metric(text.decode(), ROUTER_FIRST_TOKEN, outcome="prefill") or 0
-
-        before, seed = served(), int(time.time())
-        for i, shape in enumerate((workload.completion, workload.chat) * 2):
-            request = shape(workload.text_of(300, seed=seed + i), stream=True)
-            joined = workload.send(pd_cluster.url, *request)
+        # new to the cluster and prefill's WRITEs are held back, so decode
+        # cannot have its first token before prefill answered: every request
+        # must be joined. Sent again (nothing held), decode holds the prompt
+        # and answers alone: both replies must be the same greedy output.
+        before, seed = faults.first_token_outcomes(pd_cluster.url), int(time.time())
+        requests = [
+            shape(workload.text_of(300, seed=seed + i), stream=True)
+            for i, shape in enumerate((workload.completion, workload.chat) * 2)
+        ]
+        with faults.writes_held(pd_cluster):
+            joined = [workload.send(pd_cluster.url, *r) for r in requests]
+        served = faults.first_tokens_since(pd_cluster.url, before, len(requests))
+        assert served == {Outcome.PREFILL.value: len(requests)}, served
+        for request, first in zip(requests, joined, strict=True):
             again = workload.send(pd_cluster.url, *request)
-            assert workload.mismatch(again, joined) is None, workload.mismatch(
-                again, joined
+            assert workload.mismatch(again, first) is None, workload.mismatch(
+                again, first
             )
-        assert served() - before >= 2
 
 
 class TestVllmPull(PDChecks):
@@ -170,6 +169,7 @@ class TestKvPush(PDChecks, FirstTokenChecks, VllmProtocolChecks):
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "verify_kv": "all",
+        "fault_injection": True,  # FirstTokenChecks holds WRITEs back
     }
 
 
@@ -186,6 +186,7 @@ class TestKvPushWholeRequest(TestKvPush, KvBothChecks):
         "push_granularity": "request",
         "verify_kv": "all",
         "kv_both": True,
+        "fault_injection": True,
     }
 
 
@@ -201,6 +202,7 @@ class TestKvPushStreamed(TestKvPush):
         "max_num_batched_tokens": 256,
         "push_granularity": "chunk",
         "verify_kv": "all",
+        "fault_injection": True,  # FirstTokenChecks holds WRITEs back
     }
 
 
@@ -213,4 +215,5 @@ class TestKvPushPerLayer(TestKvPush):
         "max_num_batched_tokens": 256,
         "push_granularity": "layer",
         "verify_kv": "all",
+        "fault_injection": True,  # FirstTokenChecks holds WRITEs back
     }

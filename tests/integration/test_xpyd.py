@@ -113,6 +113,7 @@ def test_every_forced_binding_matches_colocated(
 ) -> None:
     before = _settled_prefill_requests(xpyd.cluster)
     legs_before = _router_prefill_legs(xpyd.urls[binding])
+    firsts_before = faults.first_token_outcomes(xpyd.urls[binding])
     events_before = faults.counters(xpyd.cluster)
     decodes = set()
     for name in SHAPE_NAMES:
@@ -139,6 +140,11 @@ def test_every_forced_binding_matches_colocated(
             if e.startswith("rejected.") and c > events_before[n][e]
         }
         assert rejected == {}
+    if binding == "late":  # prefill answers before decode is chosen: chat-stream's
+        # first token is prefill's, decode's leg continues from it. (Bound
+        # early, a decode holding the prompt may answer first.)
+        firsts = faults.first_tokens_since(xpyd.urls[binding], firsts_before, 1)
+        assert firsts == {"prefill": 1}, firsts
 
 
 @pytest.mark.parametrize("binding", ["early", "late"])

@@ -10,12 +10,14 @@ import asyncio
 import msgspec
 import pytest
 
+from kvpush.router.config import RoutingConfig
 from kvpush.telemetry import names
 from tests.fakes import FakeVllm, Fault, Received, Routed, dead_url, routed
 from tests.fakes.metrics import metric
 
 COMPLETION = {"model": "m", "prompt": "one two three", "max_tokens": 4}
 STREAM = {**COMPLETION, "stream": True}
+GREEDY_STREAM = {**STREAM, "temperature": 0.0}
 PATH = "/v1/completions"
 
 
@@ -179,6 +181,30 @@ async def test_client_leaving_mid_stream_aborts_decode(mode: str) -> None:
         for prefill in r.cluster.prefills:  # done before decode could answer
             assert prefill.received[0].answered_at is not None
         await _wait_for_idle(r)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "vllm-pull", "kvpush"])
+async def test_a_client_that_hangs_up_once_it_read_done_was_served(mode: str) -> None:
+    # Clients close as soon as they have read the final [DONE] event, which
+    # may be before the backend's stream has ended (its end is held back
+    # here). The router must record a request it served in full (200; in
+    # kvpush mode, its first token from prefill), not a client that left.
+    routing = {"routing": RoutingConfig(binding="early")} if mode == "kvpush" else {}
+    async with routed(mode, **routing) as r:
+        answering = (r.cluster.colocated or r.cluster.decodes)[0]
+        answering.fault = Fault(hold_eof_s=0.5)
+        async with r.http.post(r.url + PATH, json=GREEDY_STREAM) as resp:
+            read = b""
+            while not read.endswith(b"data: [DONE]\n\n"):
+                read += await asyncio.wait_for(resp.content.readany(), 5.0)
+            resp.close()
+        await _wait_for_idle(r)
+        text = await _metrics(r)
+    assert metric(text, names.ROUTER_REQUESTS, status="200") == 1, text
+    assert metric(text, names.ROUTER_REQUESTS, status="499") is None
+    assert metric(text, names.ROUTER_ERRORS, cause="client_disconnected") is None
+    if mode == "kvpush":
+        assert metric(text, names.ROUTER_FIRST_TOKEN, outcome="prefill") == 1
 
 
 async def _wait_for_idle(r: Routed) -> None:
