@@ -222,17 +222,19 @@ async def kvpush_flow(ctx: FlowContext) -> web.StreamResponse:
         response, first = await open_first(ctx, "prefill", prefill, ctx.parsed.raw)
         return await relay(ctx, "prefill", prefill, response, first)
     ctx.leg_fields = _first_token_fields(ctx) if prefill is not None else {}
+    served: RoutePlan | None = plan  # the decode that answered, if one did
     if prefill is None:
         ctx.take(plan.decode)
         response, first = await open_first(ctx, "decode", plan.decode, ctx.parsed.raw)
         out = await relay(ctx, "decode", plan.decode, response, first)
     elif plan.decision.binding == "late":
-        out, plan = await _late_flow(ctx, plan, prefill)
+        out, served = await _late_flow(ctx, plan, prefill)
     else:
         ctx.take(plan.decode)
         ctx.take(prefill)
         out = await _early_flow(ctx, prefill, plan.decode)
-    ctx.routing.served(plan)
+    if served is not None:
+        ctx.routing.served(served)
     return out
 
 
@@ -282,14 +284,15 @@ async def _first_from_prefill(
 
 async def _late_flow(
     ctx: FlowContext, plan: RoutePlan, prefill: Backend
-) -> tuple[web.StreamResponse, RoutePlan]:
+) -> tuple[web.StreamResponse, RoutePlan | None]:
     """kvpush late binding: the prefill leg alone, naming no decode but the
     digest of a fresh claim token (one per attempt); once prefill answered
     (its KV is computed and held, under its ready deadline) the decode is
     chosen and its leg carries the token, so that decode's registration is
     the one that may claim the KV. Any failure before decode answers is the
     attempt's (a retry plans again with a fresh transfer id and token; KV a
-    dead attempt left on prefill is freed at prefill's ready deadline)."""
+    dead attempt left on prefill is freed at prefill's ready deadline). The
+    plan it returns is the bound one, or None when no decode served it."""
     if ctx.routing is None:
         raise RuntimeError("kvpush mode needs the router's Routing")
     transfer_id, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
@@ -305,7 +308,8 @@ async def _late_flow(
         ctx.metrics.first_token(Outcome.UNAVAILABLE.value)
     client = None if first is None else await stream_first(ctx, first)
     if client is not None and ctx.is_client_done:
-        return client, bound  # it ended at its first token (KV: ready deadline)
+        # It ended at its first token: no decode got it (KV: ready deadline).
+        return client, None
     ctx.take(bound.decode)
     leg = _decode_leg(transfer_id, prefill, claim_token=token)
     decode = bound.decode

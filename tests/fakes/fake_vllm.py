@@ -98,6 +98,8 @@ class Fault:
     ``legs_only``: the fault spares requests without ``kv_transfer_params``
     (the router's continuations). ``hold_eof_s`` holds a stream's end that
     long after its last event (``[DONE]``), as a slow network could.
+    ``stops_at_first``: a whole (not streamed) answer ends with
+    ``finish_reason`` "stop", as when the first token is end-of-sequence.
     """
 
     status: int | None = None
@@ -112,6 +114,7 @@ class Fault:
     diverge: bool = False
     legs_only: bool = False
     hold_eof_s: float = 0.0
+    stops_at_first: bool = False
 
 
 @dataclass
@@ -340,15 +343,18 @@ class FakeVllm:
     def _completion(self, rec: Received, fault: Fault) -> dict[str, Any]:
         body, is_chat = rec.body, rec.path.endswith("/chat/completions")
         tokens = _output_tokens(rec, fault)
+        if fault.stops_at_first:
+            tokens = tokens[:1]
         text = "".join(tokens)
+        finish = "stop" if fault.stops_at_first else "length"
         answer = _envelope(rec, self.engine_id, is_chat, "completion")
         if is_chat:
             message = {"role": "assistant", "content": text}
             answer["choices"] = [
-                {"index": 0, "message": message, "finish_reason": "length"}
+                {"index": 0, "message": message, "finish_reason": finish}
             ]
         else:
-            answer["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
+            answer["choices"] = [{"index": 0, "text": text, "finish_reason": finish}]
         if _wants_ids(rec):  # where vLLM puts them
             ids = fake_tokens(prompt_text(body))
             answer["choices"][0]["token_ids"] = fake_tokens(text)

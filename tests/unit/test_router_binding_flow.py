@@ -228,6 +228,33 @@ async def test_auto_binds_late_when_every_decode_is_busy() -> None:
     assert _binding_count(metrics, "early", "new_tokens") == 1
 
 
+async def test_a_late_bound_request_that_ends_at_its_first_token_binds_no_decode() -> (
+    None
+):
+    # Bound late, prefill's first token ends the request (end of sequence):
+    # no decode leg is sent, so no decode may be taken to hold the prompt. A
+    # next turn then needs prefill again (early), not a skip to that decode.
+    async with routed(
+        "kvpush", num_decodes=2, routing=_routing("auto", late_min_busy=4.0)
+    ) as r:
+        _tokenizing(r)
+        for fake in r.cluster.decodes:
+            fake.load = Load(num_waiting=0, num_running=6, kv_usage=0.2)
+        await _until_read(r)
+        r.cluster.prefills[0].fault = Fault(stops_at_first=True)
+        greedy = {**COMPLETION, "stream": True, "temperature": 0.0}
+        ended = await _post(r, greedy, session="chat-1")
+        assert [d.received for d in r.cluster.decodes] == [[], []]
+        r.cluster.prefills[0].fault = Fault()
+        for fake in r.cluster.decodes:
+            fake.load = Load(num_waiting=0, num_running=0)
+        await _until_read(r)
+        more = {**COMPLETION, "prompt": LONG_PROMPT + " and five more new words"}
+        second = await _post(r, more, session="chat-1")
+    assert ended.headers["x-kvpush-binding"] == "late"
+    assert second.headers["x-kvpush-binding"] == "early"
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": LONG_PROMPT}]}
 PROMPT_LOGPROBS = [  # vLLM 0.32 computes prompt logprobs: it loads no KV
     ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}),
