@@ -300,7 +300,11 @@ async def _late_flow(
     answer = await run_prefill(
         ctx,
         prefill,
-        PrefillLeg(transfer_id=transfer_id, claim_sha256=claim_digest(token)),
+        PrefillLeg(
+            transfer_id=transfer_id,
+            claim_sha256=claim_digest(token),
+            ends_if_stopped=bool(ctx.leg_fields),  # its first token is the client's
+        ),
     )
     bound = ctx.routing.bind_late(ctx, plan, prefill)  # sets the headers
     first = read_answer(answer, ctx.parsed) if ctx.leg_fields else None

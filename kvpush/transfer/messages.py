@@ -432,10 +432,17 @@ class PrefillLeg(TransferParams, frozen=True, tag="prefill"):
       register (a Registration from another is rejected);
     * ``claim_sha256`` (late binding: the router picks the decode once
       prefill answered): any decode engine whose Registration carries the
-      claim token with this SHA-256 (hex) may, once."""
+      claim token with this SHA-256 (hex) may, once.
+
+    ``ends_if_stopped``: the router ends the client's request if this leg
+    stops at its first token (``finish_reason`` "stop": end of sequence, a
+    stop token or string), and then sends no decode leg; prefill drops the
+    KV at once instead of holding it to the ready deadline (a late leg
+    whose first token is the client's)."""
 
     decode_engine_id: Name | None = None
     claim_sha256: ClaimSha256 | None = None
+    ends_if_stopped: bool = False
 
     def __post_init__(self) -> None:
         if (self.decode_engine_id is None) == (self.claim_sha256 is None):

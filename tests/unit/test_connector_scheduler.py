@@ -64,6 +64,10 @@ class FakeRequest:
     num_prompt_tokens: int = PROMPT
     num_computed_tokens: int = 0
     skip_reading_prefix_cache: bool = False  # vLLM: prompt_logprobs
+    finish_reason: str | None = None  # once finished: "stop", "length", ...
+
+    def get_finished_reason(self) -> str | None:
+        return self.finish_reason
 
 
 @dataclass
@@ -696,6 +700,34 @@ def test_a_late_prefill_leg_triggers_with_its_claim_digest_and_no_decode(prefill
     (trigger,) = meta.triggers
     assert trigger.decode_engine_id is None
     assert trigger.claim_sha256 == claim_digest(LATE_TOKEN)
+
+
+@pytest.mark.parametrize(
+    ("ends_if_stopped", "finish_reason", "dropped"),
+    [(True, "stop", True), (True, "length", False), (False, "stop", False)],
+)
+def test_a_late_leg_stopped_at_its_first_token_drops_its_kv_at_once(
+    prefill, ends_if_stopped, finish_reason, dropped
+):
+    # The router ends a request whose late leg (its first token the
+    # client's) stops there, and sends no decode: the worker drops the KV
+    # the next step instead of holding it to the ready deadline. vLLM keeps
+    # the blocks until the worker says the push is over, as for any push.
+    leg = PrefillLeg(
+        transfer_id="t2",
+        claim_sha256=claim_digest(LATE_TOKEN),
+        ends_if_stopped=ends_if_stopped,
+    )
+    req = FakeRequest("r2", leg.to_dict())
+    admit(prefill, req)
+    assert run_step(prefill, req, PROMPT, new(req, [9, 3, 4, 8, 1])).triggers
+    req.finish_reason = finish_reason
+
+    assert prefill.request_finished(req) == (True, None)
+
+    meta = prefill.build_connector_meta(cached(req, None))
+    assert meta.cancels == (["t2"] if dropped else [])
+    assert prefill.counters.get("ended.at_first_token") == (1 if dropped else 0)
 
 
 def test_decode_registers_with_the_claim_token_of_its_leg(decode):

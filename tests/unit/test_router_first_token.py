@@ -265,6 +265,36 @@ async def test_a_request_for_one_token_is_answered_from_prefill_and_decode_abort
     assert ended == 1
 
 
+async def test_a_late_bound_request_that_stops_at_its_first_token_ends_there() -> None:
+    # Bound late, prefill's first token is end-of-sequence: the client's
+    # request is whole, no decode leg is sent, and prefill's leg said so
+    # beforehand, so that prefill drops its KV at once.
+    async with routed("kvpush", routing=LATE) as r:
+        r.cluster.prefills[0].fault = Fault(stops_at_first=True)
+        reply = await r.post(PATHS["completions"], _body("completions"))
+        ended = await _first_token_count(r, "ended")
+        (prefill,) = r.cluster.prefills[0].received
+        decode_legs = r.cluster.decodes[0].received
+    chunks = _chunks(reply.events())
+    assert _text("completions", chunks) == " THE"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == [
+        "stop"
+    ]
+    assert ended == 1 and decode_legs == []
+    assert prefill.kv_transfer_params["ends_if_stopped"] is True
+
+
+async def test_a_late_leg_whose_first_token_is_decodes_does_not_end_if_stopped() -> (
+    None
+):
+    routing = RoutingConfig(binding="late", first_token_from=FirstTokenFrom.DECODE)
+    async with routed("kvpush", routing=routing) as r:
+        reply = await r.post(PATHS["completions"], _body("completions"))
+        (prefill,) = r.cluster.prefills[0].received
+    assert reply.status == 200
+    assert not prefill.kv_transfer_params.get("ends_if_stopped")
+
+
 @pytest.mark.parametrize(
     ("routing", "extra"),
     [

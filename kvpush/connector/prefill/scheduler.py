@@ -226,6 +226,11 @@ class PrefillScheduler:
             return False, None
         if not self._keeps_blocks(rid, leg, state):
             return False, None
+        if leg.ends_if_stopped and _finish_reason(request) == "stop":
+            # The router ends the request at this token: no decode will
+            # claim the KV, which goes now rather than at the ready deadline.
+            self.counters.add("ended.at_first_token")
+            self._meta.cancels.append(leg.transfer_id)
         if vllm is None or state is None or not state.final_sent:
             return True, None
         return True, self._answer(vllm)
@@ -343,3 +348,10 @@ class PrefillScheduler:
 
     def close(self) -> None:
         self.tracer.close()
+
+
+def _finish_reason(request: Any) -> str | None:
+    """Why vLLM finished ``request``, as its API reports it ("stop",
+    "length", ...); None for a request not finished."""
+    reason = request.get_finished_reason()
+    return None if reason is None else str(reason)
