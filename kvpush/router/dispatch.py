@@ -37,6 +37,7 @@ from kvpush.router.first_token import (
     Progress,
     blocker,
     continuation_body,
+    ends_at_first,
     leg_fields,
     read_answer,
 )
@@ -306,14 +307,16 @@ async def _late_flow(
             ends_if_stopped=bool(ctx.leg_fields),  # its first token is the client's
         ),
     )
-    bound = ctx.routing.bind_late(ctx, plan, prefill)  # sets the headers
     first = read_answer(answer, ctx.parsed) if ctx.leg_fields else None
     if ctx.leg_fields and first is None:
         ctx.metrics.first_token(Outcome.UNAVAILABLE.value)
+    if first is not None and ends_at_first(first, ctx.parsed):
+        # Whole at its first token: no decode is chosen (prefill drops the
+        # KV at once when it stopped, else at its ready deadline).
+        ctx.routing.unbound(ctx, plan)
+        return await stream_first(ctx, first), None
+    bound = ctx.routing.bind_late(ctx, plan, prefill)  # sets the headers
     client = None if first is None else await stream_first(ctx, first)
-    if client is not None and ctx.is_client_done:
-        # It ended at its first token: no decode got it (KV: ready deadline).
-        return client, None
     ctx.take(bound.decode)
     leg = _decode_leg(transfer_id, prefill, claim_token=token)
     decode = bound.decode

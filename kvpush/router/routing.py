@@ -102,7 +102,7 @@ class Routing:
             plan.decision.reason,
         )
         if plan.decision.binding == "prefill":  # no decode serves it
-            ctx.response_headers = {BINDING_HEADER: plan.decision.binding}
+            self.unbound(ctx, plan)
         elif plan.decision.binding != "late":  # its decode is chosen later
             self._announce(ctx, plan)
         return plan
@@ -128,6 +128,12 @@ class Routing:
         )
         self._announce(ctx, bound)
         return bound
+
+    def unbound(self, ctx: FlowContext, plan: RoutePlan) -> None:
+        """No decode serves this attempt (a prefill answers it alone, or a
+        late-bound one ended at prefill's first token): the headers say
+        its binding and name no decode."""
+        ctx.response_headers = {BINDING_HEADER: plan.decision.binding}
 
     def _announce(self, ctx: FlowContext, plan: RoutePlan) -> None:
         self._metrics.decode_choice(plan.decode_reason)

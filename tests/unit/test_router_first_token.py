@@ -282,6 +282,8 @@ async def test_a_late_bound_request_that_stops_at_its_first_token_ends_there() -
     ]
     assert ended == 1 and decode_legs == []
     assert prefill.kv_transfer_params["ends_if_stopped"] is True
+    assert reply.headers["x-kvpush-binding"] == "late"
+    assert "x-kvpush-decode" not in reply.headers  # none was chosen
 
 
 async def test_a_late_leg_whose_first_token_is_decodes_does_not_end_if_stopped() -> (
