@@ -35,6 +35,13 @@ def _tokenizing(r: Routed) -> None:
         fake.serves_tokenize = True
 
 
+async def _decodes_loaded(r: Routed, load: Load) -> None:
+    """Every decode reports ``load``, and the router has read it."""
+    for fake in r.cluster.decodes:
+        fake.load = load
+    await _until_read(r)
+
+
 def _binding_count(text: str, binding: str, reason: str) -> float:
     return metric(text, names.ROUTER_BINDING, binding=binding, reason=reason) or 0.0
 
@@ -212,13 +219,9 @@ async def test_auto_binds_late_when_every_decode_is_busy() -> None:
         "kvpush", num_decodes=2, routing=_routing("auto", late_min_busy=4.0)
     ) as r:
         _tokenizing(r)
-        for fake in r.cluster.decodes:
-            fake.load = Load(num_waiting=0, num_running=6, kv_usage=0.2)
-        await _until_read(r)
+        await _decodes_loaded(r, Load(num_waiting=0, num_running=6, kv_usage=0.2))
         busy = await _post(r, COMPLETION)
-        for fake in r.cluster.decodes:
-            fake.load = Load(num_waiting=0, num_running=0)
-        await _until_read(r)
+        await _decodes_loaded(r, Load(num_waiting=0, num_running=0))
         other = " ".join(f"other{i}" for i in range(40))  # nothing held
         free = await _post(r, {**COMPLETION, "prompt": other})
         metrics = (await r.get("/metrics")).body.decode()
@@ -238,17 +241,13 @@ async def test_a_late_bound_request_that_ends_at_its_first_token_binds_no_decode
         "kvpush", num_decodes=2, routing=_routing("auto", late_min_busy=4.0)
     ) as r:
         _tokenizing(r)
-        for fake in r.cluster.decodes:
-            fake.load = Load(num_waiting=0, num_running=6, kv_usage=0.2)
-        await _until_read(r)
+        await _decodes_loaded(r, Load(num_waiting=0, num_running=6, kv_usage=0.2))
         r.cluster.prefills[0].fault = Fault(stops_at_first=True)
         greedy = {**COMPLETION, "stream": True, "temperature": 0.0}
         ended = await _post(r, greedy, session="chat-1")
         assert [d.received for d in r.cluster.decodes] == [[], []]
         r.cluster.prefills[0].fault = Fault()
-        for fake in r.cluster.decodes:
-            fake.load = Load(num_waiting=0, num_running=0)
-        await _until_read(r)
+        await _decodes_loaded(r, Load(num_waiting=0, num_running=0))
         more = {**COMPLETION, "prompt": LONG_PROMPT + " and five more new words"}
         second = await _post(r, more, session="chat-1")
     assert ended.headers["x-kvpush-binding"] == "late"
