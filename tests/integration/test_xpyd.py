@@ -38,7 +38,6 @@ from kvpush.launcher import ClusterConfig, down, up
 from kvpush.launcher import process as proc
 from kvpush.launcher.state import TOPOLOGY_FILE
 from kvpush.telemetry import names
-from kvpush.telemetry.reader import Exposition
 from tests.fakes.fake_nixl import wait_for
 from tests.fakes.metrics import metric
 from tests.integration import faults, workload
@@ -329,7 +328,7 @@ def test_a_killed_decodes_traffic_moves_to_the_other(
     # from that token, and the joined reply is colocated's.
     for decode in DECODES:  # it must wait for the KV of a prompt it saw before
         _reset_prefix_cache(xpyd.cluster, decode)
-    before = _router_first_tokens(xpyd.urls["early"])
+    before = faults.first_token_outcomes(xpyd.urls["early"])
     faults.set_faults(xpyd.cluster, delay_ready_s=6.0)
     try:
         reply, victim = _stream_killing_its_decode(
@@ -339,8 +338,8 @@ def test_a_killed_decodes_traffic_moves_to_the_other(
         faults.set_faults(xpyd.cluster)
     problem = workload.mismatch(reference["chat-stream"], reply)
     assert problem is None, f"continued after the kill: {problem}"
-    after = _router_first_tokens(xpyd.urls["early"])
-    assert after["continued"] - before.get("continued", 0.0) == 1, (before, after)
+    after = faults.first_token_outcomes(xpyd.urls["early"])
+    assert after["continued"] - before["continued"] == 1, (before, after)
     survivor = next(d for d in DECODES if d != victim)
     session = {"x-session-id": "conversation-1"}
     for binding in ("auto", "early"):
@@ -419,12 +418,6 @@ def _reset_prefix_cache(cluster: Cluster, name: str) -> None:
     request = urllib.request.Request(url, method="POST")
     with urllib.request.urlopen(request, timeout=10) as resp:
         assert resp.status == 200
-
-
-def _router_first_tokens(url: str) -> dict[str, float]:
-    """The router's first-token counts by outcome."""
-    exposition = Exposition.parse(_router_metrics(url))
-    return exposition.by_label(names.ROUTER_FIRST_TOKEN, "outcome")
 
 
 def _start_router(run_dir: Path, binding: str, port: int) -> subprocess.Popen[bytes]:
