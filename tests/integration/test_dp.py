@@ -74,7 +74,13 @@ def dp_fault_cluster(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     run_dir = tmp_path_factory.mktemp("dp-faults")
-    with faults.fault_cluster(model_dir, run_dir, prefill_dp=2, decode_dp=2) as c:
+    # Registrations live 20 s, not the fault suites' 8: on 2 cores a DP
+    # engine took 5 s to prefill a prompt in 64-token chunks, the
+    # registration expired (decode would compute it) before decode's engine
+    # was killed, and the transfer under test was already over (CI, stop 35).
+    with faults.fault_cluster(
+        model_dir, run_dir, prefill_dp=2, decode_dp=2, registration_ttl_s=20.0
+    ) as c:
         yield c
 
 
