@@ -39,6 +39,7 @@ from kvpush.router.first_token import (
     continuation_body,
     ends_at_first,
     leg_fields,
+    max_new_tokens,
     read_answer,
 )
 from kvpush.router.first_token_flow import follow, stream_first
@@ -298,21 +299,23 @@ async def _late_flow(
         raise RuntimeError("kvpush mode needs the router's Routing")
     transfer_id, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
     ctx.take(prefill)
+    clients = bool(ctx.leg_fields)  # its first token is the client's
     answer = await run_prefill(
         ctx,
         prefill,
         PrefillLeg(
             transfer_id=transfer_id,
             claim_sha256=claim_digest(token),
-            ends_if_stopped=bool(ctx.leg_fields),  # its first token is the client's
+            ends_if_stopped=clients,
+            ends_at_first_token=clients and max_new_tokens(ctx.parsed) == 1,
         ),
     )
     first = read_answer(answer, ctx.parsed) if ctx.leg_fields else None
     if ctx.leg_fields and first is None:
         ctx.metrics.first_token(Outcome.UNAVAILABLE.value)
     if first is not None and ends_at_first(first, ctx.parsed):
-        # Whole at its first token: no decode is chosen (prefill drops the
-        # KV at once when it stopped, else at its ready deadline).
+        # Whole at its first token: no decode is chosen, and prefill drops
+        # the KV at once (its leg said that this ending ends the request).
         ctx.routing.unbound(ctx, plan)
         return await stream_first(ctx, first), None
     bound = ctx.routing.bind_late(ctx, plan, prefill)  # sets the headers

@@ -438,11 +438,14 @@ class PrefillLeg(TransferParams, frozen=True, tag="prefill"):
     stops at its first token (``finish_reason`` "stop": end of sequence, a
     stop token or string), and then sends no decode leg; prefill drops the
     KV at once instead of holding it to the ready deadline (a late leg
-    whose first token is the client's)."""
+    whose first token is the client's). ``ends_at_first_token``: the same
+    whatever the finish reason, because the client asked for one token
+    (``max_tokens`` 1 under a forced late binding)."""
 
     decode_engine_id: Name | None = None
     claim_sha256: ClaimSha256 | None = None
     ends_if_stopped: bool = False
+    ends_at_first_token: bool = False
 
     def __post_init__(self) -> None:
         if (self.decode_engine_id is None) == (self.claim_sha256 is None):

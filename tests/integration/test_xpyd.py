@@ -283,20 +283,24 @@ def test_a_request_for_one_token_is_answered_by_a_prefill_alone(
     assert _settled_prefill_requests(xpyd.cluster) == before + 1
 
 
-def test_a_late_bound_request_that_stops_at_its_first_token_ends_there(
-    xpyd: Routers,
+@pytest.mark.parametrize("ending", ["stop_token", "one_token"])
+def test_a_late_bound_request_that_ends_at_its_first_token_ends_there(
+    xpyd: Routers, ending: str
 ) -> None:
-    # Its greedy first token is named a stop token: the late router answers
-    # from prefill alone (as an instance alone answers it), and prefill, told
-    # so by the leg, drops the KV at once (its counter; nothing held well
-    # before the ready deadline).
+    # Its greedy first token is named a stop token, or the client asks for
+    # one token: the late router answers from prefill alone (as an instance
+    # alone answers it), and prefill, told so by the leg, drops the KV at
+    # once (its counter; nothing held well before the ready deadline).
     path, body = workload.SHAPES["completion-stream"]
     plain = {k: v for k, v in body.items() if k != "stream_options"}
     one = {**plain, "stream": False, "max_tokens": 1, "return_token_ids": True}
     alone = client.request(xpyd.cluster.instance_url("prefill0"), path, one, 60.0)
     assert alone.status == 200, alone.body
     (t1,) = alone.body["choices"][0]["token_ids"]
-    request = {**body, "stop_token_ids": [t1]}
+    if ending == "stop_token":
+        request = {**body, "stop_token_ids": [t1]}
+    else:
+        request = {**body, "max_tokens": 1}
     expected = workload.send(xpyd.cluster.instance_url("prefill0"), path, request)
     firsts_before = faults.first_token_outcomes(xpyd.urls["late"])
     events_before = faults.counters(xpyd.cluster)

@@ -703,20 +703,28 @@ def test_a_late_prefill_leg_triggers_with_its_claim_digest_and_no_decode(prefill
 
 
 @pytest.mark.parametrize(
-    ("ends_if_stopped", "finish_reason", "dropped"),
-    [(True, "stop", True), (True, "length", False), (False, "stop", False)],
+    ("ends_if_stopped", "ends_at_first_token", "finish_reason", "dropped"),
+    [
+        (True, False, "stop", True),
+        (True, False, "length", False),
+        (False, False, "stop", False),
+        (True, True, "length", True),  # the client asked for one token
+        (False, False, "length", False),
+    ],
 )
-def test_a_late_leg_stopped_at_its_first_token_drops_its_kv_at_once(
-    prefill, ends_if_stopped, finish_reason, dropped
+def test_a_late_leg_ended_at_its_first_token_drops_its_kv_at_once(
+    prefill, ends_if_stopped, ends_at_first_token, finish_reason, dropped
 ):
     # The router ends a request whose late leg (its first token the
-    # client's) stops there, and sends no decode: the worker drops the KV
-    # the next step instead of holding it to the ready deadline. vLLM keeps
-    # the blocks until the worker says the push is over, as for any push.
+    # client's) stops there, or whose client asked for one token, and sends
+    # no decode: the worker drops the KV the next step instead of holding
+    # it to the ready deadline. vLLM keeps the blocks until the worker says
+    # the push is over, as for any push.
     leg = PrefillLeg(
         transfer_id="t2",
         claim_sha256=claim_digest(LATE_TOKEN),
         ends_if_stopped=ends_if_stopped,
+        ends_at_first_token=ends_at_first_token,
     )
     req = FakeRequest("r2", leg.to_dict())
     admit(prefill, req)

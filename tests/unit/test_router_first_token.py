@@ -286,6 +286,25 @@ async def test_a_late_bound_request_that_stops_at_its_first_token_ends_there() -
     assert "x-kvpush-decode" not in reply.headers  # none was chosen
 
 
+async def test_a_late_bound_request_for_one_token_says_so_to_prefill() -> None:
+    # Forced late, a request for one token is whole at prefill's first
+    # token whatever its finish reason: the leg says so, so that prefill
+    # drops its KV at once (before: only a "stop" did, and a "length" held
+    # the KV to the ready deadline), and no decode is chosen.
+    async with routed("kvpush", routing=LATE) as r:
+        reply = await r.post(PATHS["completions"], _body("completions", max_tokens=1))
+        (prefill,) = r.cluster.prefills[0].received
+        decode_legs = r.cluster.decodes[0].received
+    chunks = _chunks(reply.events())
+    assert _text("completions", chunks) == " THE"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == [
+        "length"
+    ]
+    assert decode_legs == []
+    assert prefill.kv_transfer_params["ends_at_first_token"] is True
+    assert "x-kvpush-decode" not in reply.headers
+
+
 async def test_a_late_leg_whose_first_token_is_decodes_does_not_end_if_stopped() -> (
     None
 ):
@@ -295,6 +314,7 @@ async def test_a_late_leg_whose_first_token_is_decodes_does_not_end_if_stopped()
         (prefill,) = r.cluster.prefills[0].received
     assert reply.status == 200
     assert not prefill.kv_transfer_params.get("ends_if_stopped")
+    assert not prefill.kv_transfer_params.get("ends_at_first_token")
 
 
 @pytest.mark.parametrize(

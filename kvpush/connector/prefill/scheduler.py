@@ -226,7 +226,8 @@ class PrefillScheduler:
             return False, None
         if not self._keeps_blocks(rid, leg, state):
             return False, None
-        if leg.ends_if_stopped and _finish_reason(request) == "stop":
+        stopped = leg.ends_if_stopped and _finish_reason(request) == "stop"
+        if stopped or leg.ends_at_first_token:
             # The router ends the request at this token: no decode will
             # claim the KV, which goes now rather than at the ready deadline.
             self.counters.add("ended.at_first_token")
