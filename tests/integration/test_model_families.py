@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,6 +32,7 @@ from kvpush import env
 from kvpush.model.presets import ensure_preset
 from kvpush.router.config import FirstTokenFrom
 from kvpush.router.first_token import Outcome
+from kvpush.telemetry import names
 from tests.integration import faults, workload
 from tests.integration.conftest import Cluster, start_cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
@@ -189,7 +192,35 @@ class TestKvPushMla(FamilyChecks):
         assert sum(served.values()) == len(streamed), served
         assert set(served) <= {Outcome.PREFILL.value, Outcome.CONTINUED.value}, served
 
-    # Declared again so that they run after the three above.
+    def test_each_decode_rank_is_written_one_copy_of_the_prompt(
+        self, pd_cluster: Cluster, model_dir: Path
+    ) -> None:
+        # No replicated MLA copies and no more than decode needs: a prompt
+        # of 101 tokens is 7 blocks of 16 (whether decode loads 100 or 101
+        # of them), each one latent per token and layer in float32, written
+        # once to each of decode's 2 ranks (it holds the latent whole).
+        config = json.loads((model_dir / "config.json").read_text())
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        num_blocks, block_size, float32 = 7, 16, 4
+        expected = (
+            num_blocks * block_size * latent * float32
+            * config["num_hidden_layers"] * MLA_TP["decode_tp"]
+        )  # fmt: skip
+        written = names.KVPUSH_WRITE_BYTES.sum
+        before = faults.instance_metric(pd_cluster, "prefill0", written)
+        body = {"prompt": list(range(10, 111)), "max_tokens": 2, "temperature": 0}
+        reply = workload.send(pd_cluster.url, "/v1/completions", body)
+        assert reply.status == 200, reply.text
+        grown = 0.0
+        deadline = time.monotonic() + 10.0
+        while grown < expected and time.monotonic() < deadline:
+            # A count reaches /metrics with prefill's next engine step.
+            prefill = pd_cluster.instance_url("prefill0")
+            workload.send(prefill, *_first_only("completion-short"))
+            grown = faults.instance_metric(pd_cluster, "prefill0", written) - before
+        assert grown == expected, (grown, expected)
+
+    # Declared again so that they run after the four above.
     def test_no_blocks_held_after_the_run(self, pd_cluster: Cluster) -> None:
         super().test_no_blocks_held_after_the_run(pd_cluster)
 
