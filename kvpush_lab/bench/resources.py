@@ -130,20 +130,29 @@ def versions() -> dict[str, str]:
     for name in _PACKAGES:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[name] = importlib.metadata.version(name)
-    commit = _git_commit(Path(__file__).resolve().parents[2])
+    commit = git_commit(Path(__file__).resolve().parents[2])
     if commit:
         found["kvpush_commit"] = commit
     return found
 
 
-def _git_commit(repo: Path) -> str | None:
+# What a publish writes: changes there are results, not local code changes
+# (so a second section published from one checkout keeps its commit clean).
+PUBLISHED_PATHS = ("docs/bench", "BENCHMARKS.md")
+
+
+def git_commit(repo: Path) -> str | None:
+    """HEAD's short hash, with ``+local changes`` when a tracked file other
+    than the published results differs from it."""
+    excluded = [f":(exclude){p}" for p in PUBLISHED_PATHS]
+    status = ["status", "--porcelain", "--untracked-files=no", "--", ".", *excluded]
     try:
         head = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, timeout=5, check=True,
         ).stdout.strip()  # fmt: skip
         dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(repo), *status],
             capture_output=True, text=True, timeout=5, check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):

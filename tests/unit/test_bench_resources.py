@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from kvpush.launcher.state import ProcessRecord
 from kvpush_lab.bench.resources import (
     ResourceMonitor,
+    git_commit,
     machine_info,
     parse_cpu_model,
     parse_cpu_ticks,
@@ -44,6 +47,30 @@ def test_machine_and_versions_are_recorded() -> None:
     assert info["cores"] >= 1 and info["usable_cores"] >= 1
     assert info["memory_gb"] > 0 and info["cpu_model"]
     assert "kvpush" in versions()
+
+
+def test_published_results_do_not_mark_the_commit_as_locally_changed(
+    tmp_path: Path,
+) -> None:
+    # Publishing a section rewrites docs/bench and BENCHMARKS.md in the
+    # checkout; the next section from it is still the commit's code.
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True,
+                       capture_output=True)  # fmt: skip
+
+    git("init", "-q")
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    for name in ("docs/bench/results.json", "BENCHMARKS.md", "code.py"):
+        (tmp_path / name).write_text("v1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    head = git_commit(tmp_path)
+    assert head is not None and "+" not in head
+    (tmp_path / "docs/bench/results.json").write_text("v2\n")
+    (tmp_path / "BENCHMARKS.md").write_text("v2\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("v2\n")
+    assert git_commit(tmp_path) == f"{head}+local changes"
 
 
 def test_a_busy_group_shows_cpu_and_memory_between_marks() -> None:
