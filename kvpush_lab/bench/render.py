@@ -245,11 +245,13 @@ def render_benchmarks(sections: Sequence[SectionResults]) -> str:
 
 def render_section(s: SectionResults) -> str:
     """A section's details page: its run's full report where the JSON has
-    the run, else its tables and notes as they were kept."""
+    the run (and the notes added to it), else its tables and notes as they
+    were kept."""
     if s.run is not None:
         from kvpush_lab.bench.report import render_report
 
-        return render_report(s.run, title=s.title, preamble=_provenance(s))
+        preamble = "\n\n".join([_provenance(s), *s.notes])
+        return render_report(s.run, title=s.title, preamble=preamble)
     parts = [f"# {s.title}", _provenance(s)]
     if s.command:
         parts.append(f"Command:\n\n```\n{s.command}\n```")

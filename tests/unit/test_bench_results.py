@@ -220,6 +220,13 @@ def test_a_run_s_details_page_is_its_full_report() -> None:
     assert text.startswith("# Sweep\n") and "| vllm-pull | 4 / 4 | 0 | 100 |" in text
 
 
+def test_a_run_s_details_page_shows_the_notes_added_to_its_results() -> None:
+    results = results_of_run(bench_summary(), "qps-sweep", "Sweep")
+    noted = msgspec.structs.replace(results, notes=["Its commit label: why."])
+    assert "Its commit label: why." not in render_section(results)
+    assert "Its commit label: why." in render_section(noted)
+
+
 def test_the_command_renders_every_section_found(tmp_path: Path) -> None:
     save_results(section("one"), tmp_path / "docs" / "bench" / "one")
     save_results(section("two"), tmp_path / "docs" / "bench" / "two")
