@@ -35,11 +35,11 @@ from kvpush.router.first_token import (
     DecodeEcho,
     Outcome,
     Progress,
+    asks_one_token,
     blocker,
     continuation_body,
     ends_at_first,
     leg_fields,
-    max_new_tokens,
     read_answer,
 )
 from kvpush.router.first_token_flow import follow, stream_first
@@ -307,7 +307,7 @@ async def _late_flow(
             transfer_id=transfer_id,
             claim_sha256=claim_digest(token),
             ends_if_stopped=clients,
-            ends_at_first_token=clients and max_new_tokens(ctx.parsed) == 1,
+            ends_at_first_token=clients and asks_one_token(ctx.parsed),
         ),
     )
     first = read_answer(answer, ctx.parsed) if ctx.leg_fields else None

@@ -154,10 +154,16 @@ def max_new_tokens(parsed: ParsedRequest) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def asks_one_token(parsed: ParsedRequest) -> bool:
+    """Whether the client asked for one token at most (``max_tokens`` 1): the
+    request is whole at ``t1``, whatever its finish reason."""
+    return max_new_tokens(parsed) == 1
+
+
 def ends_at_first(first: FirstToken, parsed: ParsedRequest) -> bool:
     """Whether the request is complete with ``t1``: it stopped (end of
     sequence or a stop token) or may produce only one token."""
-    return first.finish_reason == "stop" or max_new_tokens(parsed) == 1
+    return first.finish_reason == "stop" or asks_one_token(parsed)
 
 
 def opening_events(first: FirstToken, parsed: ParsedRequest) -> bytes:

@@ -25,7 +25,7 @@ import aiohttp
 
 from kvpush.router.config import RouterConfig
 from kvpush.router.context import FlowContext
-from kvpush.router.first_token import max_new_tokens
+from kvpush.router.first_token import asks_one_token
 from kvpush.router.health import HealthBoard
 from kvpush.router.kv_feed import KvEventFeed
 from kvpush.router.metrics import RouterMetrics
@@ -152,7 +152,7 @@ class Routing:
         )
         if ctx.parsed.wants_prompt_logprobs:  # skips, and reads no prefix cache
             return Prompt(tokens=None, session=session, prompt_logprobs=True)
-        one_token = max_new_tokens(ctx.parsed) == 1
+        one_token = asks_one_token(ctx.parsed)
         if self.config.routing.binding != "auto" or one_token:
             return Prompt(tokens=None, session=session, one_token=one_token)
         tokens = await self._tokens(ctx)

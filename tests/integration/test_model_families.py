@@ -211,11 +211,11 @@ class TestKvPushMla(FamilyChecks):
         body = {"prompt": list(range(10, 111)), "max_tokens": 2, "temperature": 0}
         reply = workload.send(pd_cluster.url, "/v1/completions", body)
         assert reply.status == 200, reply.text
+        prefill = pd_cluster.instance_url("prefill0")
         grown = 0.0
         deadline = time.monotonic() + 10.0
         while grown < expected and time.monotonic() < deadline:
             # A count reaches /metrics with prefill's next engine step.
-            prefill = pd_cluster.instance_url("prefill0")
             workload.send(prefill, *_first_only("completion-short"))
             grown = faults.instance_metric(pd_cluster, "prefill0", written) - before
         assert grown == expected, (grown, expected)
