@@ -88,6 +88,29 @@ class TestKvPushSlidingWindow(FamilyChecks):
     }
 
 
+# Long (not CI, for time): the same families with decode at TP 2, so that
+# prefill's one rank writes each decode rank its own head of every layer
+# (2 KV heads; the mapping CI runs with the dense model in test_tp.py).
+@pytest.mark.long
+class TestKvPushMoeDecodeTp2(TestKvPushMoe):
+    """MoE with decode at TP 2 (experts split by TP on decode)."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushMoe.cluster_options,
+        "decode_tp": 2,
+    }
+
+
+@pytest.mark.long
+class TestKvPushSlidingWindowDecodeTp2(TestKvPushSlidingWindow):
+    """Sliding window + full layers with decode at TP 2."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushSlidingWindow.cluster_options,
+        "decode_tp": 2,
+    }
+
+
 def _no_fp8_kv_here() -> bool:
     """vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or
     AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
