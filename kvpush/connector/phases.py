@@ -19,8 +19,9 @@ phase            from -> to                                 whose tracer
 ===============  =========================================  ================
 
 Each event counts at its first mark (as in :class:`~kvpush.transfer.timeline.Timeline`).
-``push`` and ``handover`` are also kept per peer engine (the ``peer`` keyword
-of any mark of the transfer). Every ``write_posted`` mark gives one WRITE's
+``push`` and ``handover`` are also kept per peer engine (the ``peer``
+keyword of any mark of the transfer), prefill's from the match
+(:data:`PEER_STARTS`). Every ``write_posted`` mark gives one WRITE's
 size (its ``num_bytes`` and ``num_descs`` keywords) and adds its bytes to
 its peer's bytes in flight until ``write_done``. A transfer that never ends
 (aborted, failed) is forgotten :data:`MAX_AGE_S` after its first mark, its
@@ -57,7 +58,13 @@ PHASES: dict[Phase, tuple[tuple[str, ...], str]] = {
     Phase.HANDOVER: (("recv_expected",), "notif_received"),
     Phase.DECODE_WAIT: (("reg_sent",), "first_decode_step"),
 }
-PEER_PHASES: frozenset[Phase] = frozenset({Phase.PUSH, Phase.HANDOVER})
+# The figure kept per peer engine: the phase that ends it, and the event it
+# starts from. On prefill it starts at the match, not at ``kv_ready``: bound
+# late, decode registers only after the router chose it, once the KV was
+# ready, and that wait is not the pair's transfer (the router weighs this
+# figure as the pair's cost; counting the wait made every pair it had
+# measured look slower than one it had not).
+PEER_STARTS: dict[Phase, str] = {Phase.PUSH: MATCHED, Phase.HANDOVER: "recv_expected"}
 
 
 @dataclass
@@ -181,8 +188,10 @@ class PhaseClock:
             transfer.ended.add(phase)
             seconds = max(0.0, times[end] - min(seen))
             self._out.phases.setdefault(phase, []).append(seconds)
-            if phase in PEER_PHASES and transfer.peer:
-                self._out.peer_handovers.setdefault(transfer.peer, []).append(seconds)
+            start = PEER_STARTS.get(phase)
+            if start in times and transfer.peer:
+                peer_s = max(0.0, times[end] - times[start])
+                self._out.peer_handovers.setdefault(transfer.peer, []).append(peer_s)
 
     @staticmethod
     def _is_over(transfer: _Transfer) -> bool:

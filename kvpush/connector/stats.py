@@ -245,9 +245,9 @@ class KvPushPromMetrics(KVConnectorPromMetrics):
         )
         self._peer_handover = histogram(
             name=names.KVPUSH_PEER_HANDOVER_SECONDS.name,
-            documentation="kvpush handover per peer engine: on prefill its KV "
-            "ready to the WRITE done (push), on decode the receive expected to "
-            "the KV's arrival (handover).",
+            documentation="kvpush handover per peer engine: on prefill from its "
+            "KV and decode's registration both there to the WRITE done, on "
+            "decode the receive expected to the KV's arrival (handover).",
             labelnames=[*labelnames, *names.KVPUSH_PEER_HANDOVER_SECONDS.labels],
             buckets=PHASE_BUCKETS_S,
         )

@@ -14,8 +14,9 @@ What is read, from vLLM's own families and kvpush connector's:
   vLLM's engines) and ``vllm:kv_cache_usage_perc`` (the fullest engine);
   for one DP rank of an instance, its engine's alone;
 - on a kvpush prefill, per decode peer: ``vllm:kvpush_peer_handover_seconds``
-  (its KV ready to the WRITE done; the board keeps a moving mean of the
-  observations between two reads) and ``vllm:kvpush_peer_bytes_in_flight``
+  (from its KV and that decode's registration both there to the WRITE
+  done, so a late binding's wait is not counted; the board keeps a moving
+  mean of the observations between two reads) and ``vllm:kvpush_peer_bytes_in_flight``
   (WRITE bytes posted to that decode and not done).
 
 The families are named in :mod:`kvpush.telemetry.names` and read with its

@@ -145,6 +145,21 @@ class TestKvPushFp8Kv(FamilyChecks):
         super().test_down_stops_every_process(pd_cluster)
 
 
+# Long (not CI, for time): the MoE and sliding-window presets on fp8 caches.
+@pytest.mark.long
+class TestKvPushMoeFp8Kv(TestKvPushFp8Kv):
+    """MoE on a per-tensor fp8 KV cache."""
+
+    preset = "moe"
+
+
+@pytest.mark.long
+class TestKvPushSlidingWindowFp8Kv(TestKvPushFp8Kv):
+    """Sliding window + full layers on a per-tensor fp8 KV cache."""
+
+    preset = "swa"
+
+
 MLA_TP: dict[str, Any] = {"prefill_tp": 1, "decode_tp": 2}
 
 

@@ -70,6 +70,21 @@ def test_kv_before_registration_waits_from_the_kv() -> None:
     assert clock.take(now=11.0).phases == {"registration": [pytest.approx(0.3)]}
 
 
+def test_a_late_registration_is_not_the_pairs_transfer_time() -> None:
+    """Bound late, decode registers after prefill's KV is ready (the router
+    chose it only then): the pair's figure, which the router weighs as that
+    pair's transfer cost, runs from the match to the WRITE done, not from
+    the KV (the push phase still does)."""
+    clock = PhaseClock()
+    clock.mark("t1", "kv_ready", 10.0, {"peer": "decode1"})
+    clock.mark("t1", "reg_received", 10.2, {})  # the late flow's wait
+    clock.mark("t1", "write_posted", 10.201, {"num_bytes": 64})
+    clock.mark("t1", "write_done", 10.204, {})
+    out = clock.take(now=11.0)
+    assert out.phases["push"] == [pytest.approx(0.204)]
+    assert out.peer_handovers == {"decode1": [pytest.approx(0.004)]}
+
+
 def test_bytes_stay_in_flight_until_the_write_is_done() -> None:
     clock = PhaseClock()
     clock.mark("t1", "kv_ready", 1.0, {"peer": "decode0"})
