@@ -217,12 +217,11 @@ class Planner:
         w = self.config.weights
 
         def score(p: Backend) -> float:
-            pair = (
-                None
-                if decode is None
-                else self.signals.pair(p.engine_id, decode.engine_id, now)
-            )
-            return prefill_score(self._load(p, now), pair, w)
+            if decode is None:
+                return prefill_score(self._load(p, now), None, w)
+            pair = self.signals.pair(p.engine_id, decode.engine_id, now)
+            typical = self.signals.typical_handover(p.engine_id, now)
+            return prefill_score(self._load(p, now), pair, w, typical)
 
         prefill = pick(
             candidates, score, self._num_prefill_picks, self._rng,
@@ -251,7 +250,11 @@ class Planner:
     ) -> float:
         w = self.config.weights
         return min(
-            transfer_score(self.signals.pair(p.engine_id, decode.engine_id, now), w)
+            transfer_score(
+                self.signals.pair(p.engine_id, decode.engine_id, now),
+                w,
+                self.signals.typical_handover(p.engine_id, now),
+            )
             for p in prefills
         )
 

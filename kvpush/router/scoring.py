@@ -16,8 +16,9 @@ The terms (weights in :class:`ScoreWeights`):
   ``kv_full_at`` (a new request there preempts another);
 - **unknown**: a stale or absent read costs ``unknown`` on top of the
   router's own count, so an unknown instance never looks idle;
-- **transfer** (early binding): the pair's recent handover mean per second
-  and the bytes still in flight to that decode per MiB;
+- **transfer**: the pair's recent handover mean per second (a pair not
+  measured yet: the prefill's mean over those it has) and the bytes still
+  in flight to that decode per MiB;
 - **prefix** (decode): minus ``prefix`` times the fraction of the prompt
   the decode holds.
 """
@@ -83,19 +84,28 @@ def kv_score(load: Load, w: ScoreWeights) -> float:
     return w.kv_usage * usage + (w.kv_full if usage >= w.kv_full_at else 0.0)
 
 
-def transfer_score(pair: PairFigures | None, w: ScoreWeights) -> float:
-    """The transfer term of a prefill-decode pair (0 when nothing is known)."""
-    if pair is None:
-        return 0.0
-    handover = pair.handover_s or 0.0
-    return w.handover_per_s * handover + w.in_flight_per_mib * (
-        pair.bytes_in_flight / MIB
-    )
+def transfer_score(
+    pair: PairFigures | None, w: ScoreWeights, typical_s: float | None = None
+) -> float:
+    """The transfer term of a prefill-decode pair. A handover not measured
+    yet costs ``typical_s``, the prefill's mean over the pairs it has
+    measured (0 when it has none): unknown is not free, or a measured pair
+    would always lose to an unmeasured one."""
+    handover = pair.handover_s if pair is not None else None
+    if handover is None:
+        handover = typical_s or 0.0
+    in_flight = 0.0 if pair is None else pair.bytes_in_flight
+    return w.handover_per_s * handover + w.in_flight_per_mib * (in_flight / MIB)
 
 
-def prefill_score(load: Load, pair: PairFigures | None, w: ScoreWeights) -> float:
+def prefill_score(
+    load: Load,
+    pair: PairFigures | None,
+    w: ScoreWeights,
+    typical_s: float | None = None,
+) -> float:
     """A prefill's score: its queue, plus the transfer to the chosen decode."""
-    return queue_score(load, w) + transfer_score(pair, w)
+    return queue_score(load, w) + transfer_score(pair, w, typical_s)
 
 
 def decode_score(

@@ -173,6 +173,19 @@ class SignalBoard:
             bytes_in_flight=read.bytes_in_flight.get(decode_id, 0.0),
         )
 
+    def typical_handover(self, prefill_id: str, now: float) -> float | None:
+        """The mean of the prefill's per-decode handover means: what a pair
+        it has not measured yet is taken to cost (None: its read is stale,
+        or it has measured none)."""
+        if self._fresh(prefill_id, now) is None:
+            return None
+        means = [
+            h.mean_s
+            for (p, _), h in self._handovers.items()
+            if p == prefill_id and h.mean_s is not None
+        ]
+        return sum(means) / len(means) if means else None
+
     def _fresh(self, engine_id: str, now: float) -> tuple[Scrape, float] | None:
         entry = self._reads.get(engine_id)
         if entry is None or now - entry[1] > self.max_age_s:

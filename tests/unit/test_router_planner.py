@@ -122,6 +122,25 @@ def test_the_pair_transfer_cost_steers_prefill() -> None:
     assert {_plan(planner, Prompt(None)).prefill for _ in range(4)} == {P[1]}
 
 
+def test_a_pair_not_measured_yet_costs_what_the_prefills_measured_ones_do() -> None:
+    """Bound late, p0 holds the KV; d0 is busy and p0 has pushed to d1 only:
+    d0's transfer is unknown, not free, so the busy decode does not win on
+    it (a measured pair always lost to an unmeasured one, and the late
+    router split evenly between a busy and a free decode)."""
+    planner = _planner(binding="late")
+    _busy(planner, "d0", waiting=0)  # 4 running
+    measured = Scrape(
+        num_waiting=0, num_running=0,
+        handover_sum_s={"d1": 0.1}, handover_count={"d1": 2},  # 50 ms each
+    )  # fmt: skip
+    planner.signals.record("p0", measured, now=1.0)
+    for i in range(4):
+        prompt = Prompt(tuple(range(i * 100, i * 100 + 40)))
+        plan = _plan(planner, prompt)
+        decode, _, _ = planner.choose_late_decode(D, (), prompt, P[0], plan.hashes, 1.0)
+        assert decode == D[1]
+
+
 def test_avoided_and_unhealthy_instances_are_not_chosen() -> None:
     planner = _planner(binding="early")
     planner.health.mark_unreachable("d0", "refused")

@@ -14,6 +14,7 @@ from kvpush.router.scoring import (
     pick,
     prefill_score,
     queue_score,
+    transfer_score,
 )
 from kvpush.router.signals import InstanceSignals, PairFigures
 
@@ -48,6 +49,12 @@ def test_transfer_cost_and_prefix_move_the_score() -> None:
         W.handover_per_s * 0.05 + W.in_flight_per_mib * 64
     )
     assert prefill_score(_load(), None, W) == 0
+    # not measured yet: the prefill's typical handover, not free
+    assert transfer_score(None, W, 0.05) == pytest.approx(W.handover_per_s * 0.05)
+    in_flight_only = PairFigures(handover_s=None, bytes_in_flight=MIB)
+    assert transfer_score(in_flight_only, W, 0.05) == pytest.approx(
+        W.handover_per_s * 0.05 + W.in_flight_per_mib
+    )
     holds = decode_score(_load(running=2), 0.0, 1.0, W)
     empty = decode_score(_load(running=0), 0.0, 0.0, W)
     assert holds < empty  # holding the whole prompt outweighs two requests

@@ -104,6 +104,19 @@ def test_pair_handover_is_a_moving_mean_of_the_windows_between_reads() -> None:
     assert board.pair("p0", "decode0", now=10.0) is None  # stale prefill read
 
 
+def test_a_prefills_typical_handover_is_the_mean_of_its_measured_pairs() -> None:
+    board = SignalBoard(max_age_s=3.0)
+    assert board.typical_handover("p0", now=0.0) is None  # never read
+    read = Scrape(
+        num_waiting=0, num_running=0,
+        handover_sum_s={"d0": 0.02, "d1": 0.12}, handover_count={"d0": 2, "d1": 3},
+    )  # fmt: skip
+    board.record("p0", read, now=1.0)
+    assert board.typical_handover("p0", now=1.0) == pytest.approx((0.01 + 0.04) / 2)
+    assert board.typical_handover("p1", now=1.0) is None  # measured nothing
+    assert board.typical_handover("p0", now=5.0) is None  # stale
+
+
 def test_forget_drops_reads_and_pairs() -> None:
     board = SignalBoard(max_age_s=3.0)
     board.record("p0", parse_scrape(VLLM_TEXT), now=0.0)
