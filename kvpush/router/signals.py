@@ -130,6 +130,9 @@ class SignalBoard:
         self.max_age_s = max_age_s
         self._reads: dict[str, tuple[Scrape, float]] = {}
         self._handovers: dict[tuple[str, str], _Handover] = {}
+        # per prefill: the mean of its pairs' handover means (kept at
+        # each read, so that scoring a pair stays O(1) however many pairs)
+        self._typical: dict[str, float] = {}
 
     def record(self, engine_id: str, scrape: Scrape, now: float) -> None:
         """A good read of ``engine_id``'s metrics at ``now``."""
@@ -137,12 +140,16 @@ class SignalBoard:
         for peer, count in scrape.handover_count.items():
             total = scrape.handover_sum_s.get(peer, 0.0)
             self._update_handover((engine_id, peer), total, count)
+        if scrape.handover_count:
+            self._update_typical(engine_id)
 
     def forget(self, engine_id: str) -> None:
         """Drop everything known of ``engine_id`` (it went down)."""
         self._reads.pop(engine_id, None)
         for key in [k for k in self._handovers if engine_id in k]:
             del self._handovers[key]
+        for prefill_id in list(self._typical):
+            self._update_typical(prefill_id)
 
     def signals(self, engine_id: str, now: float) -> InstanceSignals | None:
         """``engine_id``'s load, or None when unknown (never read, stale, or
@@ -179,12 +186,18 @@ class SignalBoard:
         or it has measured none)."""
         if self._fresh(prefill_id, now) is None:
             return None
+        return self._typical.get(prefill_id)
+
+    def _update_typical(self, prefill_id: str) -> None:
         means = [
             h.mean_s
             for (p, _), h in self._handovers.items()
             if p == prefill_id and h.mean_s is not None
         ]
-        return sum(means) / len(means) if means else None
+        if means:
+            self._typical[prefill_id] = sum(means) / len(means)
+        else:
+            self._typical.pop(prefill_id, None)
 
     def _fresh(self, engine_id: str, now: float) -> tuple[Scrape, float] | None:
         entry = self._reads.get(engine_id)

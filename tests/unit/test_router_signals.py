@@ -115,6 +115,10 @@ def test_a_prefills_typical_handover_is_the_mean_of_its_measured_pairs() -> None
     assert board.typical_handover("p0", now=1.0) == pytest.approx((0.01 + 0.04) / 2)
     assert board.typical_handover("p1", now=1.0) is None  # measured nothing
     assert board.typical_handover("p0", now=5.0) is None  # stale
+    board.forget("d1")  # went down: its pair no longer counts
+    assert board.typical_handover("p0", now=1.0) == pytest.approx(0.01)
+    board.forget("d0")
+    assert board.typical_handover("p0", now=1.0) is None
 
 
 def test_forget_drops_reads_and_pairs() -> None:
