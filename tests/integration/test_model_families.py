@@ -111,6 +111,28 @@ class TestKvPushSlidingWindowDecodeTp2(TestKvPushSlidingWindow):
     }
 
 
+# Long (not CI, for time): the same families pushed per layer (``auto``
+# pushes these prompts per chunk: chunked prefill is on).
+@pytest.mark.long
+class TestKvPushMoePerLayer(TestKvPushMoe):
+    """MoE, each chunk's layers pushed as its forward passes them."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushMoe.cluster_options,
+        "push_granularity": "layer",
+    }
+
+
+@pytest.mark.long
+class TestKvPushSlidingWindowPerLayer(TestKvPushSlidingWindow):
+    """Sliding window + full layers, pushed per layer."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushSlidingWindow.cluster_options,
+        "push_granularity": "layer",
+    }
+
+
 def _no_fp8_kv_here() -> bool:
     """vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or
     AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
