@@ -166,6 +166,20 @@ class KvPushConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._side_of(request).request_finished(request)
 
+    def first_token(self, request: Any) -> int | None:
+        """The token prefill sampled after ``request``'s prompt, for kvpush's
+        vLLM scheduler class (:mod:`kvpush.connector.decode.first_token`);
+        None unless this instance decodes that request and the token came."""
+        if self._decode is None or self._side_of(request) is not self._decode:
+            return None
+        return self._decode.first_token(request)
+
+    def first_token_outcome(self, reason: Any) -> None:
+        """What the scheduler class did with a first token :meth:`first_token`
+        gave (``reason`` None: continued from it), for the counters."""
+        if self._decode is not None:
+            self._decode.first_token_outcome(reason)
+
     def has_pending_push_work(self) -> bool:
         return any(s.has_pending_push_work() for s in self._schedulers())
 

@@ -76,6 +76,9 @@ class PrefillMetadata(KVConnectorMetadata):
     triggers: list[PushTrigger] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # transfer ids given up
     preempted: list[PreemptedPush] = field(default_factory=list)
+    # early binding: transfer id -> the token prefill sampled after the
+    # prompt, for rank 0's writer to tell the transfer's decode
+    first_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -20,10 +20,12 @@ authenticates the sender; it does not hide the content or stop replays.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import queue
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from kvpush.transfer.messages import (
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50  # the listener's wake-up period when idle (not a busy poll)
+# (a reply wakes it at once: :meth:`Listener.reply`)
 SEND_HWM = 10_000  # messages queued per peer before sends fail
 _UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -77,6 +80,8 @@ class Listener:
 
     ``on_message(route, message)`` is called in the listener thread for each
     valid message; ``route`` names the sender's socket for :meth:`reply`.
+    A reply from another thread wakes the listener through a socket pair,
+    so it leaves at once rather than at the next poll period.
     """
 
     def __init__(
@@ -99,6 +104,9 @@ class Listener:
         self._sock.bind(f"tcp://{host}:{port}")
         self._on_message = on_message
         self._outbox: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._stop = threading.Event()
         self.num_rejected = 0
         self._thread = threading.Thread(
@@ -109,15 +117,32 @@ class Listener:
     def reply(self, route: bytes, message: Message) -> None:
         """Queue ``message`` to the socket ``route`` (any thread)."""
         self._outbox.put((route, encode(message)))  # sealed in the thread
+        self._wake()
+
+    def _wake(self) -> None:
+        # BlockingIOError: a wake-up is pending; OSError: the listener closed
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(POLL_MS):
+            ready = dict(poller.poll(POLL_MS))
+            if self._sock in ready:
                 self._receive_all()
+            if self._wake_r.fileno() in ready:
+                self._drain_wakes()
             self._send_all()
         self._sock.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _drain_wakes(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
 
     def _receive_all(self) -> None:
         while True:
@@ -159,6 +184,7 @@ class Listener:
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(timeout_s)
 
 

@@ -505,7 +505,34 @@ def instance_command(
         cmd += ["--kv-transfer-config", json.dumps(kv_config)]
     if spec.kv_events_endpoint is not None:
         cmd += ["--kv-events-config", json.dumps(kv_events_config(spec))]
+    cmd += scheduler_class_args(config, spec)
     return cmd + _attention_backend_args(config, model) + list(config.extra_vllm_args)
+
+
+SCHEDULER_CLASS = "kvpush.connector.decode.first_token.KvPushScheduler"
+ASYNC_SCHEDULER_CLASS = "kvpush.connector.decode.first_token.KvPushAsyncScheduler"
+
+
+def scheduler_class_args(config: InstanceSettings, spec: InstanceSpec) -> list[str]:
+    """``--scheduler-cls`` for a kvpush instance that decodes: kvpush's
+    scheduler class, which continues from prefill's first token
+    (:mod:`kvpush.connector.decode.first_token`), in the flavour of the
+    scheduling vLLM runs (synchronous on CPU or with
+    ``--no-async-scheduling``, async otherwise). None when the extra vLLM
+    arguments choose a scheduler class themselves."""
+    extra = config.extra_vllm_args
+    if (
+        config.mode != "kvpush"
+        or not serves_decode_legs(config, spec.role)
+        or spec.role == "colocated"
+        or any(a.startswith("--scheduler-cls") for a in extra)
+    ):
+        return []
+    synchronous = config.platform == Platform.CPU or "--no-async-scheduling" in extra
+    return [
+        "--scheduler-cls",
+        SCHEDULER_CLASS if synchronous else ASYNC_SCHEDULER_CLASS,
+    ]
 
 
 def kv_events_config(spec: InstanceSpec) -> dict[str, Any]:

@@ -59,7 +59,8 @@ from kvpush.transfer.ranks import MAX_TP_SIZE
 # a Hello the model's KV heads, a Registration decode's TP: heterogeneous TP)
 # 7: KV digests (a Done may carry the digest of the bytes its rank wrote;
 # Cause digest_mismatch, decode's own verdict)
-PROTOCOL_VERSION = 7
+# 8: FirstToken (prefill tells an early-bound decode the token it sampled)
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
@@ -304,6 +305,20 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     digest: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
 
+class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
+    """Prefill → decode's scheduler, on the socket the transfer's
+    Registration came from (early binding only: a late leg already starts
+    from it): the token prefill sampled after the prompt, the one the
+    router streamed to the client. Decode's scheduler continues from it
+    rather than computing it again (:mod:`kvpush.connector.decode.first_token`).
+    Advisory: it changes no transfer's state, and a decode that gets it
+    late or not at all computes the token itself."""
+
+    transfer_id: TransferId
+    engine_id: Name
+    token_id: Annotated[int, msgspec.Meta(ge=0)]
+
+
 Message = (
     Hello
     | HelloReply
@@ -314,6 +329,7 @@ Message = (
     | Heartbeat
     | Reconcile
     | Done
+    | FirstToken
 )
 MESSAGE_TYPES: tuple[type, ...] = (
     Hello,
@@ -325,6 +341,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Heartbeat,
     Reconcile,
     Done,
+    FirstToken,
 )
 _TAGS = frozenset(
     str(t.__struct_config__.tag)  # type: ignore[attr-defined]

@@ -34,6 +34,7 @@ from kvpush.transfer.messages import (
     Cause,
     DecodeLeg,
     Failure,
+    FirstToken,
     HelloRequest,
     PrefillLeg,
     Registration,
@@ -65,6 +66,7 @@ class FakeRequest:
     num_computed_tokens: int = 0
     skip_reading_prefix_cache: bool = False  # vLLM: prompt_logprobs
     finish_reason: str | None = None  # once finished: "stop", "length", ...
+    output_token_ids: list[int] = field(default_factory=list)
 
     def get_finished_reason(self) -> str | None:
         return self.finish_reason
@@ -751,3 +753,86 @@ def test_decode_registers_with_the_claim_token_of_its_leg(decode):
     sched.get_num_new_matched_tokens(early, 0)
     sched.update_state_after_alloc(early, FakeBlocks([1, 2, 3, 4, 10]), PROMPT)
     assert peers.messages(Registration)[1].claim_token is None
+
+
+# -- the first token: prefill's, told to an early-bound decode ------------------
+
+
+def test_prefill_tells_an_early_bound_decode_the_token_it_sampled(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS, output_token_ids=[77])
+    admit(prefill, req)
+    run_step(prefill, req, PROMPT, new(req, [9, 3, 4, 8, 1]))
+
+    assert prefill.request_finished(req) == (True, None)
+
+    assert empty_step(prefill).first_tokens == {"t2": 77}
+    assert empty_step(prefill).first_tokens == {}, "told once"
+
+
+@pytest.mark.parametrize(
+    ("leg", "tokens"),
+    [
+        # late binding: decode's leg starts from the token already
+        (PrefillLeg(transfer_id="t2", claim_sha256=claim_digest("k" * 43)), [77]),
+        # the router ends the request at this token: no decode continues
+        (PrefillLeg("t2", decode_engine_id="d0", ends_at_first_token=True), [77]),
+        # aborted before it sampled one
+        (PrefillLeg(transfer_id="t2", decode_engine_id="d0"), []),
+    ],
+)  # fmt: skip
+def test_prefill_tells_no_token_where_no_decode_waits_for_one(prefill, leg, tokens):
+    req = FakeRequest("r2", leg.to_dict(), output_token_ids=tokens)
+    admit(prefill, req)
+    run_step(prefill, req, PROMPT, new(req, [9, 3, 4, 8, 1]))
+
+    prefill.request_finished(req)
+
+    assert empty_step(prefill).first_tokens == {}
+
+
+def _landing(
+    sched: DecodeScheduler, params: dict[str, Any] = DECODE_PARAMS, rid: str = "r1"
+) -> FakeRequest:
+    req = FakeRequest(rid, params)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
+    return req
+
+
+def test_decode_hands_prefills_first_token_to_the_scheduler_class_once(decode):
+    sched, peers = decode
+    req = _landing(sched)
+    assert sched.first_token(req) is None  # not come yet
+    peers.queue_reply(FirstToken("t1", "p0", 77), (PREFILL_HOST, PREFILL_PORT))
+
+    assert sched.first_token(req) == 77  # read from the socket when asked
+    assert sched.first_token(req) is None, "taken"
+    sched.first_token_outcome(None)
+    assert sched.counters.get("first_token.missing") == 2
+    assert sched.counters.get("first_token.continued") == 1
+
+
+def test_a_first_token_for_a_late_leg_or_after_the_request_is_not_kept(decode):
+    sched, peers = decode
+    late = DecodeLeg(
+        transfer_id="t1",
+        prefill_engine_id="p0",
+        prefill_host=PREFILL_HOST,
+        prefill_port=PREFILL_PORT,
+        num_kv_tokens=PROMPT - 1,
+    )
+    req = _landing(sched, late.to_dict())
+    peers.queue_reply(FirstToken("t1", "p0", 77), (PREFILL_HOST, PREFILL_PORT))
+    assert sched.first_token(req) is None  # its prompt ends with the token
+
+    other = DecodeLeg(
+        transfer_id="t3",
+        prefill_engine_id="p0",
+        prefill_host=PREFILL_HOST,
+        prefill_port=PREFILL_PORT,
+    )
+    early = _landing(sched, other.to_dict(), rid="r3")
+    peers.queue_reply(FirstToken("t3", "p0", 78), (PREFILL_HOST, PREFILL_PORT))
+    empty_step(sched)  # read, kept for r3
+    sched.request_finished(early)  # aborted before its KV landed
+    assert sched.first_token(early) is None, "forgotten with its request"

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvpush.connector import side_channel
 from kvpush.connector.counters import Counters
 from kvpush.connector.side_channel import Listener, Peers
 from kvpush.transfer.messages import (
@@ -23,6 +24,7 @@ from kvpush.transfer.messages import (
     PROTOCOL_VERSION,
     Cancel,
     HelloReply,
+    HelloRequest,
     Message,
     Registration,
     encode,
@@ -237,3 +239,25 @@ def test_peers_report_a_connection_coming_up_and_going_down(peers):
         assert not down[0].up
     finally:
         monitored.close()
+
+
+def test_a_reply_leaves_at_once_not_at_the_next_poll(monkeypatch, peers):
+    """A reply from another thread wakes the listener: with a poll period
+    far longer than the wait, the reply still arrives, and close() ends
+    the thread at once."""
+    monkeypatch.setattr(side_channel, "POLL_MS", 600_000)
+    inbox = Inbox()
+    port = free_port()
+    listener = Listener(HOST, port, inbox)
+    try:
+        peers.send(HOST, port, registration())
+        route, _ = inbox.next()  # the listener now sleeps in its poll
+
+        listener.reply(route, HelloRequest("p0", "boot", "t1"))
+
+        got: list[tuple[tuple[str, int], Message]] = []
+        assert wait_for(lambda: got.extend(peers.receive()) or got, WAIT_S)
+        assert got == [((HOST, port), HelloRequest("p0", "boot", "t1"))]
+    finally:
+        listener.close(timeout_s=WAIT_S)
+    assert not listener._thread.is_alive()

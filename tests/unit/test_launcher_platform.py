@@ -16,9 +16,12 @@ from kvpush.cli import _parser, up_config
 from kvpush.launcher.cli import serve_config
 from kvpush.launcher.config import ClusterConfig
 from kvpush.launcher.instances import (
+    ASYNC_SCHEDULER_CLASS,
+    SCHEDULER_CLASS,
     instance_command,
     instance_env_vars,
     plan_instances,
+    scheduler_class_args,
 )
 from kvpush.launcher.serve import ServeConfig, print_command
 
@@ -95,6 +98,14 @@ def _kv(
     return ["--kv-transfer-config", json.dumps(kv)]
 
 
+def _scheduler(role: str, mode: str, flavour: str) -> list[str]:
+    """A kvpush decode runs kvpush's scheduler class, in the flavour of the
+    platform's scheduling (``KvPushScheduler``, ``KvPushAsyncScheduler``)."""
+    if mode != "kvpush" or role != "decode":
+        return []
+    return ["--scheduler-cls", f"kvpush.connector.decode.first_token.{flavour}"]
+
+
 # -- kvpush serve --print-command, per platform -------------------------------
 
 
@@ -111,6 +122,7 @@ def test_cpu_command_is_the_one_kvpush_always_printed(role: str, mode: str) -> N
         "--max-model-len", "4096", "--tensor-parallel-size", "1",
         "--enforce-eager", "--disable-uvicorn-access-log",
         *_kv(CPU_CONNECTORS, "cpu", role, mode),
+        *_scheduler(role, mode, "KvPushScheduler"),
     ]  # fmt: skip
 
 
@@ -129,6 +141,7 @@ def test_cuda_command(role: str, mode: str) -> None:
         "--tensor-parallel-size", "1",
         "--disable-uvicorn-access-log",  # no --enforce-eager: CUDA graphs
         *_kv(CUDA_CONNECTORS, "cuda", role, mode),
+        *_scheduler(role, mode, "KvPushAsyncScheduler"),
     ]  # fmt: skip
 
 
@@ -179,10 +192,9 @@ def test_a_config_file_names_the_platform(tmp_path: Path) -> None:
     path.write_text('platform = "cuda"\ngpu_memory_utilization = 0.8\n')
     config = _serve("--role", "decode", "--model", str(HUB_ID), "--config", str(path))
     assert config.platform == "cuda"
-    assert instance_command(config, config.spec(), HUB_ID)[-4:-2] == [
-        "--gpu-memory-utilization",
-        "0.8",
-    ]
+    argv = instance_command(config, config.spec(), HUB_ID)
+    i = argv.index("--gpu-memory-utilization")
+    assert argv[i + 1] == "0.8"
     # A flag wins over the file: on CPU its GPU setting is refused.
     with pytest.raises(ValueError, match="gpu_memory_utilization is for"):
         _serve("--role", "decode", "--config", str(path), "--platform", "cpu")
@@ -457,3 +469,20 @@ def test_an_mla_model_in_float32_on_cpu_runs_vllms_reference_mla_backend(
     assert backend(mla, "--dtype", "bfloat16") == []
     assert backend(mla, "--", "--attention-backend", "AMX_MLA") == ["AMX_MLA"]
     assert backend(mla, "--platform", "cuda") == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ((), ["--scheduler-cls", ASYNC_SCHEDULER_CLASS]),  # GPUs' default
+        (("--no-async-scheduling",), ["--scheduler-cls", SCHEDULER_CLASS]),
+        (("--scheduler-cls", "mine.Scheduler"), []),  # the user's choice stands
+    ],
+)
+def test_a_cuda_decode_gets_the_scheduler_class_of_its_scheduling(
+    extra: tuple[str, ...], expected: list[str]
+) -> None:
+    config = _serve(
+        "--platform", "cuda", "--role", "decode", "--model", str(HUB_ID), "--", *extra
+    )  # fmt: skip
+    assert scheduler_class_args(config, config.spec()) == expected

@@ -17,6 +17,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.launcher.cli import serve_config
 from kvpush.launcher.config import Addresses, ClusterConfig
 from kvpush.launcher.instances import (
+    SCHEDULER_CLASS,
     instance_command,
     instance_env,
     instance_env_vars,
@@ -93,13 +94,16 @@ def test_exact_argv_and_env_per_role_and_mode(
             # prefill streams by default; decode pushes nothing
             "push_granularity": "auto" if role == "prefill" else "request",
         }
+    scheduler = []  # a kvpush decode continues from prefill's first token
+    if mode == "kvpush" and role == "decode":
+        scheduler = ["--scheduler-cls", SCHEDULER_CLASS]
     assert cmd == [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(MODEL), "--served-model-name", "tiny",
         "--host", "0.0.0.0", "--port", "8200", "--dtype", "float32",
         "--max-model-len", "4096", "--tensor-parallel-size", "1",
         "--enforce-eager", "--disable-uvicorn-access-log",
-        "--kv-transfer-config", json.dumps(kv), "--block-size", "16",
+        "--kv-transfer-config", json.dumps(kv), *scheduler, "--block-size", "16",
     ]  # fmt: skip
     assert instance_env_vars(config, config.spec()) == {
         "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -16,10 +16,20 @@ word: the Done of the last WRITE, or a Failure.
 
 from __future__ import annotations
 
+import pytest
+
 from kvpush.connector.prefill.pipeline import POLL_S
 from kvpush.connector.prefill.transfer import Phase
 from kvpush.connector.prefill.writes import RETRY_S
-from kvpush.transfer.messages import Cause, Done, Hello, HelloReply, HelloRequest
+from kvpush.transfer.messages import (
+    Cause,
+    Done,
+    FirstToken,
+    Hello,
+    HelloReply,
+    HelloRequest,
+    Message,
+)
 from tests.unit.prefill_pipeline_rig import (
     CANCEL_ROUTE,
     DONE,
@@ -489,3 +499,42 @@ def test_a_stalled_writer_pardons_its_peers():
     assert rig.counters.get("peer_lost") == 0 and rig.failures() == []
     rig.tick(70.1)
     assert rig.counters.get("peer_lost") == 1
+
+
+# -- the first token: told on the Registration's socket --------------------------
+
+
+def _first_tokens(rig: PipelineRig) -> list[tuple[bytes, Message]]:
+    return [(r, m) for r, m in rig.replies.sent if isinstance(m, FirstToken)]
+
+
+@pytest.mark.parametrize("after_done", [False, True])
+def test_the_first_token_goes_to_the_registrations_socket(after_done):
+    """Prefill samples it after handing the KV over: the WRITE may be
+    in flight, or already done (and the transfer's routes gone)."""
+    rig = PipelineRig()
+    rig.io.script_polls("PROC", "DONE")
+    rig.hello(0.0)
+    rig.register(0.1)
+    rig.ready(0.2)
+    rig.tick(0.2)
+    if after_done:
+        rig.tick(0.3)
+        assert rig.phase() is None
+
+    rig.pipeline.on_first_token("t1", 77)
+
+    assert _first_tokens(rig) == [(REG_ROUTE, FirstToken("t1", PREFILL, 77))]
+
+
+def test_no_first_token_after_a_failure_or_without_a_registration():
+    rig = PipelineRig()
+    rig.hello(0.0)
+    rig.register(0.1)
+    rig.pipeline.on_prefill_cancel("t1", 0.2)  # its Failure is the final word
+
+    rig.pipeline.on_first_token("t1", 77)
+    rig.pipeline.on_first_token("t9", 78)  # no decode registered for it
+
+    assert _first_tokens(rig) == []
+    assert rig.counters.get("first_token.unroutable") == 2

@@ -21,6 +21,7 @@ from kvpush.transfer.messages import (
     DecodeLeg,
     Done,
     Failure,
+    FirstToken,
     Heartbeat,
     Hello,
     HelloReply,
@@ -58,6 +59,7 @@ MESSAGES: list[Message] = [
     Heartbeat("decode0", "boot1"),
     Reconcile("decode0", "boot1", ("kvp-1a2b", "kvp-3c4d")),
     Done("kvp-1a2b", "prefill0", num_blocks=3),
+    FirstToken("kvp-1a2b", "prefill0", token_id=77),
 ]
 
 

@@ -40,6 +40,13 @@ up at once (``skipped.no_external_load``; a Cancel, so that prefill frees
 the pushed KV now rather than at its ready deadline) and the request is
 served locally; a sibling just stops waiting (the transfer is its first's).
 
+The first token (early binding): prefill tells this scheduler the token it
+sampled after the prompt (:class:`FirstToken`, on the Registration's
+socket); :meth:`DecodeScheduler.first_token` hands it to kvpush's vLLM
+scheduler class (:mod:`kvpush.connector.decode.first_token`), which then
+continues from it instead of computing it again. Without that class the
+tokens are kept a while and dropped.
+
 Abort: a request that vLLM finishes while its KV is on the way keeps its
 blocks (``request_finished`` returns True): the worker sends prefill a
 Cancel and reports the request once no WRITE can land any more (see
@@ -52,6 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +76,7 @@ from kvpush.transfer.messages import (
     Cause,
     DecodeLeg,
     Failure,
+    FirstToken,
     HelloRequest,
     Registration,
 )
@@ -77,6 +86,7 @@ logger = logging.getLogger(__name__)
 
 SKIPS_LOAD = "vLLM skips external loads for this request (prompt_logprobs)"
 NO_LOAD = "vLLM allocated the request with no external tokens"
+MAX_FIRST_TOKENS = 4096  # prefill's first tokens kept, oldest dropped first
 
 
 class DecodeScheduler:
@@ -98,6 +108,7 @@ class DecodeScheduler:
         self._receiving: dict[str, DecodeLeg] = {}  # registered, KV not in
         self._awaiting_first_step: dict[str, str] = {}  # req -> transfer id
         self._held: set[str] = set()  # aborted while receiving; vLLM keeps blocks
+        self._first_tokens: OrderedDict[str, int] = OrderedDict()  # tid -> token
         self._meta = DecodeMetadata()
 
     def get_num_new_matched_tokens(
@@ -255,6 +266,36 @@ class DecodeScheduler:
                 self._meta.failures.append(msg)
             elif isinstance(msg, HelloRequest):
                 self._meta.hello_requests.append(address)
+            elif isinstance(msg, FirstToken):
+                self._keep_first_token(msg)
+
+    def _keep_first_token(self, msg: FirstToken) -> None:
+        self._first_tokens[msg.transfer_id] = msg.token_id
+        self._first_tokens.move_to_end(msg.transfer_id)
+        while len(self._first_tokens) > MAX_FIRST_TOKENS:
+            self._first_tokens.popitem(last=False)
+            self.counters.add("first_token.dropped")
+
+    def first_token(self, request: Any) -> int | None:
+        """The token prefill sampled after ``request``'s pushed prompt, if
+        it came (taken: asked once per request, when its KV landed); None
+        for any other request. Reads the sockets first, so a token that
+        came during this step counts."""
+        leg = self._legs.of(request)
+        if not isinstance(leg, DecodeLeg) or leg.num_kv_tokens is not None:
+            return None  # not a leg, or late-bound (its prompt ends with it)
+        self._forward_replies()
+        token_id = self._first_tokens.pop(leg.transfer_id, None)
+        if token_id is None:
+            self.counters.add("first_token.missing")  # not in time: computed
+        return token_id
+
+    def first_token_outcome(self, reason: Any) -> None:
+        """Count what became of a token :meth:`first_token` gave: continued
+        from (``reason`` None) or computed again (a
+        :class:`~kvpush.connector.decode.first_token.NotGiven`)."""
+        name = "continued" if reason is None else f"recomputed.{reason.value}"
+        self.counters.add(f"first_token.{name}")
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """Keep a request's blocks while a WRITE into them may still land."""
@@ -262,6 +303,8 @@ class DecodeScheduler:
         leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
         is_sibling = self._legs.first_of(rid) is not None
         self._legs.forget(rid)
+        if isinstance(leg, DecodeLeg) and not is_sibling:
+            self._first_tokens.pop(leg.transfer_id, None)
         self._local_hits.pop(rid, None)
         self._awaiting_first_step.pop(rid, None)
         self._sibling_until.pop(rid, None)

@@ -200,6 +200,11 @@ class Pipeline:
         self._orphans.forget(tid)
         self._stop(tid, Cause.CANCELLED, "prefill cancelled the request", now)
 
+    def on_first_token(self, tid: str, token_id: int) -> None:
+        """Prefill sampled ``token_id`` after ``tid``'s prompt (early
+        binding): its decode may continue from it."""
+        self._tell.first_token(tid, token_id)
+
     def on_preempt(self, tids: Iterable[str], now: float) -> None:
         """vLLM preempted these transfers' prefill requests: anything not
         yet posted is closed and never posted; a WRITE in flight is let

@@ -232,6 +232,10 @@ class PrefillScheduler:
             # claim the KV, which goes now rather than at the ready deadline.
             self.counters.add("ended.at_first_token")
             self._meta.cancels.append(leg.transfer_id)
+        elif leg.decode_engine_id is not None and request.output_token_ids:
+            # Bound early, decode's leg left before this token existed: tell
+            # its decode, which then need not compute it again.
+            self._meta.first_tokens[leg.transfer_id] = request.output_token_ids[0]
         if vllm is None or state is None or not state.final_sent:
             return True, None
         return True, self._answer(vllm)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.connector.counters import Counters
-from kvpush.transfer.messages import Cause, Done, Failure, Message
+from kvpush.transfer.messages import Cause, Done, Failure, FirstToken, Message
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class Word:
 
     decode_engine_id: str | None  # None: not recorded (a Failure to anyone)
     message: Done | Failure
+    route: bytes | None = None  # a Done's: where its Registration came from
 
 
 class FinalWords:
@@ -129,9 +130,27 @@ class Teller:
 
     def done(self, tid: str, decode_engine_id: str, num_blocks: int) -> None:
         """``tid``'s WRITE completed: its Done told decode (remembered)."""
-        self._routes.pop(tid, None)
+        routes = self._routes.pop(tid, None)
+        route = routes.registration if routes is not None else None
         done = Done(tid, self._engine_id, num_blocks, rank=self._rank)
-        self.words.put(tid, Word(decode_engine_id, done))
+        self.words.put(tid, Word(decode_engine_id, done, route))
+
+    def first_token(self, tid: str, token_id: int) -> None:
+        """Tell ``tid``'s decode scheduler the token prefill sampled, on the
+        socket its Registration came from, while the transfer is open or
+        after its WRITE completed (the token comes a step after the KV);
+        not after a Failure, nor when no Registration came: decode then
+        computes the token itself."""
+        routes = self._routes.get(tid)
+        route = routes.registration if routes is not None else None
+        word = self.words.get(tid)
+        if route is None and word is not None and isinstance(word.message, Done):
+            route = word.route
+        if route is None:
+            self._counters.add("first_token.unroutable")
+            return
+        self._counters.add("first_token.sent")
+        self._reply(route, FirstToken(tid, self._engine_id, token_id))
 
     def fail(
         self,

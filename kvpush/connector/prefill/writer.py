@@ -53,6 +53,7 @@ class Kind(enum.Enum):
     LAYER = "layer"  # (LayerFences, layer, fence) from the worker's main thread
     CANCEL = "cancel"  # transfer id prefill gave up
     PREEMPT = "preempt"  # transfer ids from the worker's main thread
+    FIRST_TOKEN = "first_token"  # (transfer id, token id) from the main thread
     STOP = "stop"
 
 
@@ -130,6 +131,11 @@ class Writer:
         """From the worker's main thread: prefill gave the request up."""
         self._inbox.put((Kind.CANCEL, transfer_id))
 
+    def first_token(self, transfer_id: str, token_id: int) -> None:
+        """From the worker's main thread: the token prefill sampled after
+        the prompt of an early-bound transfer, for its decode."""
+        self._inbox.put((Kind.FIRST_TOKEN, (transfer_id, token_id)))
+
     def preempt(self, transfer_ids: set[str]) -> None:
         """From the worker's main thread, for requests vLLM preempted: close
         those transfers (nothing more of them is posted) without waiting. A
@@ -205,6 +211,8 @@ class Writer:
             p.on_prefill_cancel(item, now)
         elif kind is Kind.PREEMPT:
             p.on_preempt(item, now)
+        elif kind is Kind.FIRST_TOKEN:
+            p.on_first_token(*item)
 
     @staticmethod
     def _guarded(step: Callable[..., None], *args: Any) -> None:

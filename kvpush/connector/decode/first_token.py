@@ -1,0 +1,156 @@
+"""Decode continues from prefill's first token: kvpush's vLLM scheduler class.
+
+When a request's whole prompt arrives from outside, vLLM's scheduler
+computes its last prompt token again (``_update_waiting_for_remote_kv``
+sets ``num_computed_tokens`` to the prompt's length − 1) so that decode's
+first step samples the first token ``t1``. Bound early, prefill already
+sampled ``t1`` and the router streamed it to the client (docs/architecture.md,
+"The first token from prefill"): that step's token is thrown away.
+
+With this class, decode spends no step on it. Prefill tells decode's
+connector ``t1`` (:class:`~kvpush.transfer.messages.FirstToken`, a step
+after the KV). When the request's KV has landed and ``t1`` is there,
+:func:`continue_from` makes ``t1`` the prompt's last token before vLLM
+looks at the request: ``N + 1`` tokens, ``N`` of them loaded, so vLLM
+rewinds nothing and the first step computes ``t1``'s KV and samples the
+second token. The request's first output gets ``t1`` in front, so decode's
+API server detokenizes, counts and stop-checks the very tokens a colocated
+instance would have (and the router drops ``t1`` as it always has).
+
+It is only an optimisation: a request goes the old way (``t1`` computed
+again; correct, one step slower) when ``t1`` did not come in time, or
+when :func:`why_not` names a reason it cannot be given: vLLM would treat
+``t1`` as a prompt token where it must be an output one (logprobs,
+``min_tokens``, presence and frequency penalties, repetition detection,
+structured output), ``t1`` ends the request, or the prompt is not plain
+token ids. ``vllm:kvpush_events_total{event="first_token.*"}`` counts
+each outcome.
+
+vLLM's scheduler interface is not public; these two overrides are the
+hook, pinned to vLLM 0.32 (``requirements``) and tested against its real
+schedulers (``tests/unit/test_decode_first_token.py``). Use
+:class:`KvPushScheduler` with vLLM's synchronous scheduling (the CPU
+build's only one) and :class:`KvPushAsyncScheduler` with async scheduling
+(GPUs' default): ``--scheduler-cls`` replaces vLLM's own choice of the two.
+``kvpush up`` sets it on every decode.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+class NotGiven(enum.Enum):
+    """Why decode computes ``t1`` itself though prefill's came."""
+
+    PARTIAL_LOAD = "partial_load"  # the load failed, or left tokens to compute
+    NOT_FIRST = "not_first"  # the request has output tokens already
+    NOT_TOKENS = "not_tokens"  # prompt embeddings, multimodal or pooling
+    LOGPROBS = "logprobs"  # t1's logprobs would be missing from decode's output
+    READS_OUTPUT = "reads_output"  # min_tokens, penalties, repetition, grammar
+    ENDS = "ends"  # t1 stops the request, or it may have only one token
+    TOO_LONG = "too_long"  # t1 reaches the model's length
+
+
+def why_not(request: Any, token_id: int, max_model_len: int) -> NotGiven | None:
+    """Why ``request`` (its KV landed) cannot continue from ``token_id``,
+    or None when :func:`continue_from` may make it its prompt's last."""
+    sp = request.sampling_params
+    if request.num_computed_tokens != request.num_tokens:
+        return NotGiven.PARTIAL_LOAD
+    if request.num_output_tokens > 0:
+        return NotGiven.NOT_FIRST
+    if (
+        sp is None
+        or request.prompt_token_ids is None
+        or request.prompt_embeds is not None
+        or request.prompt_is_token_ids is not None
+        or request.mm_features
+    ):
+        return NotGiven.NOT_TOKENS
+    if sp.logprobs is not None or sp.prompt_logprobs is not None:
+        return NotGiven.LOGPROBS
+    if (
+        sp.min_tokens > 0
+        or sp.presence_penalty != 0.0
+        or sp.frequency_penalty != 0.0
+        or sp.repetition_detection is not None
+        or request.use_structured_output
+    ):
+        return NotGiven.READS_OUTPUT
+    if (
+        request.max_tokens < 2
+        or token_id == sp.eos_token_id
+        or token_id in (sp.stop_token_ids or ())
+    ):
+        return NotGiven.ENDS
+    if request.num_tokens + 1 >= max_model_len:
+        return NotGiven.TOO_LONG
+    return None
+
+
+def continue_from(request: Any, token_id: int) -> None:
+    """Make ``token_id`` the last prompt token of ``request`` (whose whole
+    prompt is computed), and count it against ``max_tokens``: vLLM then
+    computes it in the request's first step and samples the next one."""
+    request.prompt_token_ids.append(token_id)
+    request._all_token_ids.append(token_id)  # what all_token_ids shows
+    request.num_prompt_tokens += 1
+    request.max_tokens -= 1
+    request.update_block_hashes()
+
+
+class FirstTokenMixin:
+    """The two overrides, over either of vLLM's schedulers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvpush_given: dict[str, int] = {}  # req id -> t1 its output lacks
+
+    def _update_waiting_for_remote_kv(self, request: Any) -> None:
+        self._give_first_token(request)
+        super()._update_waiting_for_remote_kv(request)  # type: ignore[misc]
+
+    def _give_first_token(self, request: Any) -> None:
+        connector: Any = self.connector  # type: ignore[attr-defined]
+        if not hasattr(connector, "first_token"):  # not kvpush's connector
+            return
+        token_id = connector.first_token(request)
+        if token_id is None:
+            return
+        if request.request_id in self.failed_recving_kv_req_ids:  # type: ignore[attr-defined]
+            reason: NotGiven | None = NotGiven.PARTIAL_LOAD
+        else:
+            reason = why_not(request, token_id, self.max_model_len)  # type: ignore[attr-defined]
+        connector.first_token_outcome(reason)
+        if reason is None:
+            continue_from(request, token_id)
+            self._kvpush_given[request.request_id] = token_id
+
+    def update_from_output(
+        self, scheduler_output: Any, model_runner_output: Any
+    ) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        given = self._kvpush_given
+        if not given:
+            return outputs
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                token_id = given.pop(out.request_id, None)
+                if token_id is not None:
+                    out.new_token_ids = [token_id, *out.new_token_ids]
+        for rid in [r for r in given if r not in self.requests]:  # type: ignore[attr-defined]
+            del given[rid]  # finished with no output (aborted)
+        return outputs
+
+
+class KvPushScheduler(FirstTokenMixin, Scheduler):
+    """vLLM's synchronous scheduler, continuing from prefill's first token."""
+
+
+class KvPushAsyncScheduler(FirstTokenMixin, AsyncScheduler):
+    """vLLM's async scheduler, continuing from prefill's first token."""

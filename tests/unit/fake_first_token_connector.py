@@ -1,0 +1,51 @@
+"""A stand-in for kvpush's connector, scheduler side only, for
+``test_decode_first_token.py``: every request's prompt arrives from
+outside, asynchronously, and the test says which first tokens came."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+
+class FirstTokenConnector(KVConnectorBase_V1):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokens: dict[str, int] = {}  # req id -> prefill's first token
+        self.outcomes: list[Any] = []  # first_token_outcome's reasons
+        self.claimed: set[str] = set()
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if request.request_id in self.claimed:
+            return 0, False
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens:
+            self.claimed.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        return False, None
+
+    def first_token(self, request: Any) -> int | None:
+        return self.tokens.pop(request.request_id, None)
+
+    def first_token_outcome(self, reason: Any) -> None:
+        self.outcomes.append(reason)
+
+    # the worker side is never used here
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+    def save_kv_layer(self, *args: Any, **kwargs: Any) -> None: ...
+    def wait_for_save(self) -> None: ...

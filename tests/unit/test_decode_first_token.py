@@ -1,0 +1,229 @@
+"""Decode continues from prefill's first token (kvpush's scheduler class),
+driven through vLLM's real schedulers, synchronous and async, with a
+stand-in connector: the KV of the whole prompt lands, prefill's ``t1`` is
+there, and decode's first step computes ``t1`` and samples the second
+token; its first output carries both."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvpush.connector.decode.first_token import (
+    KvPushAsyncScheduler,
+    KvPushScheduler,
+    NotGiven,
+    why_not,
+)
+from kvpush.model import make_model
+from tests.unit.test_model import SMALL
+
+BLOCK = 16
+PROMPT = list(range(3, 43))  # 40 tokens: two full blocks and a partial one
+T1, T2 = 77, 78
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_model(tmp_path_factory.mktemp("first_token") / "model", SMALL)
+
+
+def _scheduler(model_dir: pathlib.Path, cls: type) -> Any:
+    model = ModelConfig(
+        model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+    )
+    config = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=MAX_MODEL_LEN,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="FirstTokenConnector",
+            kv_role="kv_consumer",
+            kv_connector_module_path="tests.unit.fake_first_token_connector",
+        ),
+    )
+    config.cache_config.num_gpu_blocks = 64
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=model.dtype
+    )
+    kv_cache = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+    )
+    return cls(
+        vllm_config=config,
+        kv_cache_config=kv_cache,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
+
+
+def _request(rid: str = "r1", **sampling: Any) -> Request:
+    init_none_hash(sha256)
+    params = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **sampling})
+    params.update_from_generation_config({}, eos_token_id=2)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(PROMPT),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+def _step(scheduler: Any, out: SchedulerOutput, sampled: dict[str, list[int]],
+          recved: set[str] | None = None) -> dict[str, list[int]]:  # fmt: skip
+    """Finish ``out`` as a model runner would: ``sampled`` tokens for the
+    requests it sampled, ``recved`` loads landed; the new tokens per request."""
+    ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[sampled.get(r, []) for r in ids],
+        kv_connector_output=KVConnectorOutput(finished_recving=recved or set()),
+    )
+    engine_outputs = scheduler.update_from_output(out, runner)
+    return {
+        o.request_id: list(o.new_token_ids)
+        for outputs in engine_outputs.values()
+        for o in outputs.outputs
+    }
+
+
+def _land(scheduler: Any, request: Request) -> None:
+    """Admit ``request``, its prompt claimed as arriving, and report it landed."""
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {}  # it waits for the remote KV
+    assert _step(scheduler, out, {}, {request.request_id}) == {}
+
+
+@pytest.mark.parametrize("cls", [KvPushScheduler, KvPushAsyncScheduler])
+def test_decode_continues_from_prefills_first_token(
+    model_dir: pathlib.Path, cls: type
+) -> None:
+    scheduler = _scheduler(model_dir, cls)
+    request = _request()
+    _land(scheduler, request)
+    scheduler.connector.tokens["r1"] = T1
+
+    out = scheduler.schedule()
+
+    # one token computed (t1's KV), none recomputed; then t2 is sampled
+    assert out.num_scheduled_tokens == {"r1": 1}
+    new = out.scheduled_new_reqs[0]
+    assert new.prompt_token_ids == [*PROMPT, T1]
+    assert new.num_computed_tokens == len(PROMPT)
+    assert scheduler.connector.outcomes == [None]
+    assert _step(scheduler, out, {"r1": [T2]}) == {"r1": [T1, T2]}
+    assert list(request.output_token_ids) == [T2]  # t1 is its prompt's, t2 its output
+    assert request.max_tokens == 7  # ... and t1 counts against max_tokens
+
+
+@pytest.mark.parametrize("cls", [KvPushScheduler, KvPushAsyncScheduler])
+def test_without_prefills_token_decode_computes_it_again(
+    model_dir: pathlib.Path, cls: type
+) -> None:
+    scheduler = _scheduler(model_dir, cls)
+    _land(scheduler, _request())
+
+    out = scheduler.schedule()
+
+    assert out.num_scheduled_tokens == {"r1": 1}  # the prompt's last, again
+    assert out.scheduled_new_reqs[0].prompt_token_ids == PROMPT
+    assert out.scheduled_new_reqs[0].num_computed_tokens == len(PROMPT) - 1
+    assert scheduler.connector.outcomes == []
+    assert _step(scheduler, out, {"r1": [T1]}) == {"r1": [T1]}
+
+
+def test_a_token_that_cannot_be_given_is_computed_again(
+    model_dir: pathlib.Path,
+) -> None:
+    scheduler = _scheduler(model_dir, KvPushScheduler)
+    _land(scheduler, _request(logprobs=1))
+    scheduler.connector.tokens["r1"] = T1
+
+    out = scheduler.schedule()
+
+    assert out.scheduled_new_reqs[0].prompt_token_ids == PROMPT
+    assert out.scheduled_new_reqs[0].num_computed_tokens == len(PROMPT) - 1
+    assert scheduler.connector.outcomes == [NotGiven.LOGPROBS]
+    assert _step(scheduler, out, {"r1": [T1]}) == {"r1": [T1]}
+
+
+def test_max_tokens_counts_the_given_token(model_dir: pathlib.Path) -> None:
+    scheduler = _scheduler(model_dir, KvPushScheduler)
+    request = _request(max_tokens=3)
+    _land(scheduler, request)
+    scheduler.connector.tokens["r1"] = T1
+    tokens = _step(scheduler, scheduler.schedule(), {"r1": [T2]})["r1"]
+    while not request.is_finished():
+        tokens += _step(scheduler, scheduler.schedule(), {"r1": [T2 + len(tokens)]})[
+            "r1"
+        ]
+    assert tokens == [T1, T2, T2 + 2]  # three tokens, t1 one of them
+
+
+def _landed(rid: str = "r1", **sampling: Any) -> Request:
+    request = _request(rid, **sampling)
+    request.num_computed_tokens = request.num_tokens  # the whole prompt loaded
+    return request
+
+
+@pytest.mark.parametrize(
+    ("sampling", "token", "reason"),
+    [
+        ({}, T1, None),
+        ({"temperature": 1.0, "seed": 3}, T1, None),
+        ({"repetition_penalty": 1.2}, T1, None),  # reads prompt and output alike
+        ({"logprobs": 0}, T1, NotGiven.LOGPROBS),
+        ({"min_tokens": 4}, T1, NotGiven.READS_OUTPUT),
+        ({"presence_penalty": 0.5}, T1, NotGiven.READS_OUTPUT),
+        ({"frequency_penalty": 0.5}, T1, NotGiven.READS_OUTPUT),
+        ({"max_tokens": 1}, T1, NotGiven.ENDS),
+        ({}, 2, NotGiven.ENDS),  # end of sequence
+        ({"stop_token_ids": [T1]}, T1, NotGiven.ENDS),
+        ({"ignore_eos": True}, 2, None),  # end of sequence does not end it
+    ],
+)
+def test_why_not(sampling: dict[str, Any], token: int, reason: NotGiven | None) -> None:
+    assert why_not(_landed(**sampling), token, MAX_MODEL_LEN) is reason
+
+
+def test_why_not_a_partial_load_or_a_later_token() -> None:
+    partial = _request()
+    partial.num_computed_tokens = len(PROMPT) - BLOCK
+    assert why_not(partial, T1, MAX_MODEL_LEN) is NotGiven.PARTIAL_LOAD
+    later = _landed()
+    later.append_output_token_ids(T1)
+    later.num_computed_tokens = later.num_tokens
+    assert why_not(later, T2, MAX_MODEL_LEN) is NotGiven.NOT_FIRST
+    assert why_not(_landed(), T1, len(PROMPT) + 1) is NotGiven.TOO_LONG
