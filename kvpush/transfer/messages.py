@@ -16,7 +16,9 @@ Two channels carry these messages, both through :func:`encode` and
   the Registration came from), and answers every Cancel with a ``Failure``
   once it is sure it will not write (after an in-flight WRITE has ended),
   and every id of a Reconcile it no longer holds with its final word (a
-  ``Failure``, or a :class:`Done` for a WRITE that completed);
+  ``Failure``, or a :class:`Done` for a WRITE that completed); and, bound
+  early, prefill's rank 0 tells decode's scheduler the token it sampled
+  after the prompt (:class:`FirstToken`, on the Registration's socket);
 * the **NIXL notification** posted with the last WRITE of a transfer carries a
   :class:`Done`, so decode learns the data landed with no extra message.
 

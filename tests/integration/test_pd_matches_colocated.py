@@ -119,6 +119,24 @@ class FirstTokenChecks:
     after :class:`PDChecks`, so that its test runs before the nothing-held
     and ``down`` checks."""
 
+    def test_decode_continues_from_prefills_first_token(
+        self, pd_cluster: Cluster, reference: workload.Outputs
+    ) -> None:
+        # Bound early, prefill tells decode the token it sampled; with the
+        # WRITE held back it is there before the KV lands, so decode makes
+        # it the prompt's last token (kvpush's scheduler class) rather than
+        # computing it again: colocated's output all the same, streamed and
+        # not (the router relays decode's whole answer when not streamed).
+        names = ("completion-stream-plain", "chat-plain")
+        continued = _continued(pd_cluster)
+        with faults.writes_held(pd_cluster):
+            replies = {
+                n: workload.send(pd_cluster.url, *workload.SHAPES[n]) for n in names
+            }
+        problems = {n: workload.mismatch(reference[n], r) for n, r in replies.items()}
+        assert {n: p for n, p in problems.items() if p} == {}
+        assert _continued(pd_cluster) - continued == len(names)
+
     def test_a_first_token_from_prefill_joins_decodes_stream(
         self, pd_cluster: Cluster
     ) -> None:
@@ -142,6 +160,12 @@ class FirstTokenChecks:
             assert workload.mismatch(again, first) is None, workload.mismatch(
                 again, first
             )
+
+
+def _continued(cluster: Cluster) -> int:
+    """How many requests decode0 continued from prefill's first token."""
+    faults.nudge(cluster, "decode0")  # counts reach /metrics with a step
+    return faults.counters(cluster)["decode0"].get("first_token.continued", 0)
 
 
 class TestVllmPull(PDChecks):

@@ -66,6 +66,14 @@ def chat(
     return "/v1/chat/completions", body
 
 
+def plain(shape: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """``shape`` asking no logprobs (as most clients do): kvpush's decode
+    continues from prefill's first token only for such a request."""
+    path, body = shape
+    drop = ("logprobs", "top_logprobs")
+    return path, {k: v for k, v in body.items() if k not in drop}
+
+
 # One request per API shape, over short and multi-block (>128-token) prompts.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "completion-short": completion("The quick brown fox", stream=False),
@@ -79,6 +87,9 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         text_of(700, seed=1).rsplit(" ", 200)[0] + " " + text_of(200, seed=4),
         stream=False,
     ),
+    # No logprobs asked (decode continues from prefill's first token).
+    "completion-stream-plain": plain(completion(text_of(300, seed=8), stream=True)),
+    "chat-plain": plain(chat(text_of(250, seed=9), stream=False)),
 }
 # Thirty-two mixed-length requests sent all at once in P/D.
 CONCURRENT: dict[str, tuple[str, dict[str, Any]]] = {
@@ -135,12 +146,17 @@ def run_concurrent(
 
 def mismatch(expected: client.Reply, actual: client.Reply) -> str | None:
     """Why ``actual`` differs from the reference ``expected`` (None if it
-    matches: same status, same text, same token count, logprobs close)."""
+    matches: same status, same text, same token count, logprobs close;
+    a request that asked no logprobs: same text and usage)."""
     if actual.status != 200:
         return f"status {actual.status}: {actual.body}"
     if actual.text != expected.text:
         return f"text {actual.text!r} != reference {expected.text!r}"
     want, got = client.token_logprobs(expected), client.token_logprobs(actual)
+    if not want and not got and expected.usage is not None:  # none asked
+        if actual.usage != expected.usage:
+            return f"usage {actual.usage} != reference {expected.usage}"
+        return None
     if not want or len(want) != len(got):
         return f"{len(got)} logprobs != reference {len(want)}"
     worst = max(abs(a - b) for a, b in zip(want, got, strict=True))
