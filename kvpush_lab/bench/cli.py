@@ -42,6 +42,8 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
      "kvpush-late, kvpush-skip: kvpush with that router --binding; "
      "kvpush-first-token-decode: kvpush's router with --first-token-from "
      "decode (kvpush-late-first-token-decode: and --binding late); "
+     "kvpush-t1-recomputed, kvpush-early-t1-recomputed: decode on vLLM's own "
+     "scheduler class, computing prefill's first token again (a cluster each); "
      "kvpush.request, kvpush.chunk, kvpush.layer, kvpush.auto: kvpush with "
      "prefill at that --push-granularity, a cluster each)"),
     ("--prefill", "num_prefill", int, "prefill instances of P/D configurations (1)"),

@@ -26,6 +26,7 @@ from kvpush_lab.bench.names import (
     BINDING_CONFIGS,
     CONFIG_NAMES,
     GRANULARITY_CONFIGS,
+    OWN_CLUSTER_CONFIGS,
     cluster_of,
     unknown_names_message,
 )
@@ -324,11 +325,11 @@ class BenchConfig:
         check_workload(self)
         if self.shares_kvpush_cluster:
             self._check_router_ports()
-            streamed = [c for c in self.configs if c in GRANULARITY_CONFIGS]
+            own = [c for c in self.configs if c in OWN_CLUSTER_CONFIGS]
             require(
-                not streamed,
-                f"{streamed}: a push granularity is prefill's connector config, "
-                "so each needs a cluster of its own; give "
+                not own,
+                f"{own}: a push granularity (prefill's connector config) or a "
+                "decode's scheduler class needs a cluster of its own; give "
                 "--share-kvpush-cluster no (or drop them)",
             )
 

@@ -8,6 +8,11 @@
   ``--first-token-from decode`` (the client's first token is decode's, as
   before the router streamed prefill's; the default is prefill's), and
   ``kvpush-<binding>-first-token-decode`` with that binding too;
+- ``kvpush-t1-recomputed`` (and ``kvpush-<binding>-t1-recomputed``):
+  kvpush with decode on vLLM's own scheduler class, so that a request
+  bound early computes prefill's first token again (kvpush's class
+  continues from it: :mod:`kvpush.connector.decode.first_token`); a
+  decode setting, so it needs a cluster of its own;
 - ``kvpush.<granularity>`` (``kvpush.request``, ``kvpush.chunk``,
   ``kvpush.layer``, ``kvpush.auto``): kvpush with prefill's connector at
   that ``--push-granularity``.
@@ -33,7 +38,19 @@ GRANULARITY_CONFIGS = {f"kvpush.{g}": g for g in PUSH_GRANULARITIES}
 FIRST_TOKEN_CONFIGS = {
     f"{base}-first-token-decode": "decode" for base in ("kvpush", *BINDING_CONFIGS)
 }
-CONFIG_NAMES = (*MODES, *BINDING_CONFIGS, *FIRST_TOKEN_CONFIGS, *GRANULARITY_CONFIGS)
+# kvpush with decode computing prefill's first token again (vLLM's scheduler)
+RECOMPUTE_CONFIGS = tuple(
+    f"{base}-t1-recomputed" for base in ("kvpush", *BINDING_CONFIGS)
+)
+# configurations that need a cluster of their own (a connector or decode setting)
+OWN_CLUSTER_CONFIGS = (*GRANULARITY_CONFIGS, *RECOMPUTE_CONFIGS)
+CONFIG_NAMES = (
+    *MODES,
+    *BINDING_CONFIGS,
+    *FIRST_TOKEN_CONFIGS,
+    *RECOMPUTE_CONFIGS,
+    *GRANULARITY_CONFIGS,
+)
 
 
 def cluster_of(name: str) -> tuple[str, str | None]:
@@ -41,6 +58,8 @@ def cluster_of(name: str) -> tuple[str, str | None]:
     router's default)."""
     if name in FIRST_TOKEN_CONFIGS:
         name = name.removesuffix("-first-token-decode")
+    if name in RECOMPUTE_CONFIGS:
+        name = name.removesuffix("-t1-recomputed")
     if name in BINDING_CONFIGS:
         return "kvpush", BINDING_CONFIGS[name]
     if name in GRANULARITY_CONFIGS:
@@ -52,6 +71,11 @@ def first_token_of(name: str) -> str | None:
     """Where a configuration's router takes the first token from (None:
     the router's default)."""
     return FIRST_TOKEN_CONFIGS.get(name)
+
+
+def recomputes_first_token(name: str) -> bool:
+    """Whether a configuration's decode runs vLLM's own scheduler class."""
+    return name in RECOMPUTE_CONFIGS
 
 
 def granularity_of(name: str) -> str | None:

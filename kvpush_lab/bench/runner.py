@@ -61,7 +61,12 @@ from kvpush_lab.bench.inputs import (
 )
 from kvpush_lab.bench.links import LinkUsage, link_usage
 from kvpush_lab.bench.meters import Meters, read_meters
-from kvpush_lab.bench.names import cluster_of, first_token_of, granularity_of
+from kvpush_lab.bench.names import (
+    cluster_of,
+    first_token_of,
+    granularity_of,
+    recomputes_first_token,
+)
 from kvpush_lab.bench.overlap import in_window as transfers_in_window
 from kvpush_lab.bench.overlap import summarize as summarize_overlap
 from kvpush_lab.bench.progress import advance, make_progress
@@ -249,7 +254,10 @@ def cluster_config(
         platform=platform,
         gpu_memory_utilization=config.gpu_memory_utilization,
         startup_timeout_s=config.startup_timeout_s,
-        extra_vllm_args=block_size_args(config.block_size),
+        extra_vllm_args=(
+            *block_size_args(config.block_size),
+            *(vllm_scheduler_args(platform) if recomputes_first_token(name) else ()),
+        ),
         hosts=config.hosts,
         link_gbit=link_gbit,
         push_granularity=granularity,
@@ -259,6 +267,14 @@ def cluster_config(
         prefill_dp=config.prefill_dp if is_pd else 1,
         decode_dp=config.decode_dp if is_pd else 1,
     )
+
+
+def vllm_scheduler_args(platform: Platform) -> tuple[str, ...]:
+    """vLLM's own scheduler class, as vLLM picks it on ``platform`` (the
+    launcher then gives decode no class of kvpush's)."""
+    if platform == Platform.CPU:
+        return ("--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler")
+    return ("--scheduler-cls", "vllm.v1.core.sched.async_scheduler.AsyncScheduler")
 
 
 def block_size_args(block_size: int | None) -> tuple[str, ...]:

@@ -85,6 +85,29 @@ def test_granularities_never_share_a_cluster() -> None:
         BenchConfig(configs=("kvpush.chunk", "kvpush.layer"), share_kvpush_cluster=True)
 
 
+# -- decode computing prefill's first token again -------------------------------
+
+
+def test_a_recomputing_decode_runs_vllms_scheduler_class() -> None:
+    name = "kvpush-early-t1-recomputed"
+    made = cluster_config(BenchConfig(configs=(name,)), name, Path("/m"), Path("/r"))
+    assert (made.mode, made.binding) == ("kvpush", "early")
+    flags = made.extra_vllm_args
+    assert flags[flags.index("--scheduler-cls") + 1] == (
+        "vllm.v1.core.sched.scheduler.Scheduler"  # the CPU build's
+    )
+    plain = cluster_config(BenchConfig(), "kvpush-early", Path("/m"), Path("/r"))
+    assert "--scheduler-cls" not in plain.extra_vllm_args  # kvpush's, by default
+
+
+def test_a_recomputing_decode_never_shares_a_cluster() -> None:
+    with pytest.raises(ValueError, match="cluster of its own"):
+        BenchConfig(
+            configs=("kvpush-early", "kvpush-early-t1-recomputed"),
+            share_kvpush_cluster=True,
+        )
+
+
 # -- the model preset -----------------------------------------------------------
 
 
