@@ -174,6 +174,13 @@ class KvPushConnector(KVConnectorBase_V1):
             return None
         return self._decode.first_token(request)
 
+    def awaits_first_token(self, request: Any) -> bool:
+        """Whether prefill will tell ``request``'s first token and it has not
+        come yet (an early-bound leg this instance decodes)."""
+        if self._decode is None or self._side_of(request) is not self._decode:
+            return False
+        return self._decode.awaits_first_token(request)
+
     def first_token_outcome(self, reason: Any) -> None:
         """What the scheduler class did with a first token :meth:`first_token`
         gave (``reason`` None: continued from it), for the counters."""

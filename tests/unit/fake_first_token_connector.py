@@ -18,6 +18,7 @@ class FirstTokenConnector(KVConnectorBase_V1):
         self.tokens: dict[str, int] = {}  # req id -> prefill's first token
         self.outcomes: list[Any] = []  # first_token_outcome's reasons
         self.claimed: set[str] = set()
+        self.expected: set[str] = set()  # req ids whose t1 prefill will tell
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -40,6 +41,10 @@ class FirstTokenConnector(KVConnectorBase_V1):
 
     def first_token(self, request: Any) -> int | None:
         return self.tokens.pop(request.request_id, None)
+
+    def awaits_first_token(self, request: Any) -> bool:
+        rid = request.request_id
+        return rid in self.expected and rid not in self.tokens
 
     def first_token_outcome(self, reason: Any) -> None:
         self.outcomes.append(reason)

@@ -802,10 +802,12 @@ def _landing(
 def test_decode_hands_prefills_first_token_to_the_scheduler_class_once(decode):
     sched, peers = decode
     req = _landing(sched)
+    assert sched.awaits_first_token(req) is True
     assert sched.first_token(req) is None  # not come yet
     peers.queue_reply(FirstToken("t1", "p0", 77), (PREFILL_HOST, PREFILL_PORT))
 
-    assert sched.first_token(req) == 77  # read from the socket when asked
+    assert sched.awaits_first_token(req) is False  # read from the socket
+    assert sched.first_token(req) == 77
     assert sched.first_token(req) is None, "taken"
     sched.first_token_outcome(None)
     assert sched.counters.get("first_token.missing") == 2
@@ -822,6 +824,7 @@ def test_a_first_token_for_a_late_leg_or_after_the_request_is_not_kept(decode):
         num_kv_tokens=PROMPT - 1,
     )
     req = _landing(sched, late.to_dict())
+    assert sched.awaits_first_token(req) is False
     peers.queue_reply(FirstToken("t1", "p0", 77), (PREFILL_HOST, PREFILL_PORT))
     assert sched.first_token(req) is None  # its prompt ends with the token
 

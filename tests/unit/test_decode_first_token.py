@@ -31,6 +31,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpush.connector.decode.first_token import (
+    FIRST_TOKEN_WAIT_S,
     KvPushAsyncScheduler,
     KvPushScheduler,
     NotGiven,
@@ -227,3 +228,80 @@ def test_why_not_a_partial_load_or_a_later_token() -> None:
     later.num_computed_tokens = later.num_tokens
     assert why_not(later, T2, MAX_MODEL_LEN) is NotGiven.NOT_FIRST
     assert why_not(_landed(), T1, len(PROMPT) + 1) is NotGiven.TOO_LONG
+
+
+# -- an idle decode waits (a little) for a token that is on its way -------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _idle_with_a_landed_request(
+    model_dir: pathlib.Path, cls: type
+) -> tuple[Any, Clock]:
+    scheduler = _scheduler(model_dir, cls)
+    clock = Clock()
+    scheduler._kvpush_clock = clock
+    scheduler.connector.expected.add("r1")
+    _land(scheduler, _request())
+    return scheduler, clock
+
+
+@pytest.mark.parametrize("cls", [KvPushScheduler, KvPushAsyncScheduler])
+def test_an_idle_decode_waits_for_a_first_token_on_its_way(
+    model_dir: pathlib.Path, cls: type
+) -> None:
+    scheduler, clock = _idle_with_a_landed_request(model_dir, cls)
+
+    assert scheduler.schedule().num_scheduled_tokens == {}  # waits
+    clock.now += FIRST_TOKEN_WAIT_S / 2
+    assert scheduler.schedule().num_scheduled_tokens == {}  # still within
+    scheduler.connector.tokens["r1"] = T1  # it came
+
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"r1": 1}
+    assert out.scheduled_new_reqs[0].prompt_token_ids == [*PROMPT, T1]
+    assert scheduler.connector.outcomes == [None]
+
+
+def test_the_wait_ends_at_its_deadline(model_dir: pathlib.Path) -> None:
+    scheduler, clock = _idle_with_a_landed_request(model_dir, KvPushScheduler)
+    assert scheduler.schedule().num_scheduled_tokens == {}
+    clock.now += FIRST_TOKEN_WAIT_S
+
+    out = scheduler.schedule()  # computes t1 itself
+
+    assert out.num_scheduled_tokens == {"r1": 1}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == len(PROMPT) - 1
+
+
+def test_a_busy_decode_does_not_wait(model_dir: pathlib.Path) -> None:
+    scheduler = _scheduler(model_dir, KvPushScheduler)
+    other = _request("r0")
+    _land(scheduler, other)
+    scheduler.connector.tokens["r0"] = T1
+    _step(scheduler, scheduler.schedule(), {"r0": [T2]})  # r0 now runs
+    scheduler.connector.expected.add("r1")
+    scheduler.add_request(_request())
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"r0": 1}  # r1 waits for its KV
+    _step(scheduler, out, {"r0": [T2 + 1]}, {"r1"})  # ... which lands
+
+    out = scheduler.schedule()
+
+    assert out.num_scheduled_tokens == {"r0": 1, "r1": 1}  # r1 computes t1
+    assert out.scheduled_new_reqs[0].num_computed_tokens == len(PROMPT) - 1
+
+
+def test_a_request_that_could_not_continue_does_not_wait(
+    model_dir: pathlib.Path,
+) -> None:
+    scheduler = _scheduler(model_dir, KvPushScheduler)
+    scheduler.connector.expected.add("r1")
+    _land(scheduler, _request(logprobs=1))
+    assert scheduler.schedule().num_scheduled_tokens == {"r1": 1}

@@ -17,6 +17,11 @@ second token. The request's first output gets ``t1`` in front, so decode's
 API server detokenizes, counts and stop-checks the very tokens a colocated
 instance would have (and the router drops ``t1`` as it always has).
 
+Prefill sends ``t1`` a step after its forward, so on an idle decode the KV
+often lands first. An idle decode (nothing running) then waits for ``t1``
+up to :data:`FIRST_TOKEN_WAIT_S` rather than spend a step computing it; a
+busy one never waits (its next step would carry the recompute anyway).
+
 It is only an optimisation: a request goes the old way (``t1`` computed
 again; correct, one step slower) when ``t1`` did not come in time, or
 when :func:`why_not` names a reason it cannot be given: vLLM would treat
@@ -38,10 +43,16 @@ build's only one) and :class:`KvPushAsyncScheduler` with async scheduling
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+# How long an idle decode holds a landed request for prefill's first token
+# (about one decode step of the tiny model here; the step it saves).
+FIRST_TOKEN_WAIT_S = 0.005
 
 
 class NotGiven(enum.Enum):
@@ -110,6 +121,34 @@ class FirstTokenMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._kvpush_given: dict[str, int] = {}  # req id -> t1 its output lacks
+        self._kvpush_waits: dict[str, float] = {}  # req id -> wait deadline
+        self._kvpush_clock = time.monotonic
+
+    def _handle_blocked_waiting_request(self, request: Any) -> bool:
+        if self._waits_for_first_token(request):
+            return False  # this step; the next asks again
+        self._kvpush_waits.pop(request.request_id, None)
+        return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+
+    def _waits_for_first_token(self, request: Any) -> bool:
+        """Whether a request whose KV landed waits for prefill's ``t1``: the
+        decode is idle, the request could continue from it, it is expected
+        and has not come, and the wait's deadline has not passed."""
+        rid = request.request_id
+        connector: Any = self.connector  # type: ignore[attr-defined]
+        if (
+            request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            or rid not in self.finished_recving_kv_req_ids  # type: ignore[attr-defined]
+            or rid in self.failed_recving_kv_req_ids  # type: ignore[attr-defined]
+            or self.running  # type: ignore[attr-defined]
+            or not hasattr(connector, "awaits_first_token")
+        ):
+            return False
+        now = self._kvpush_clock()
+        deadline = self._kvpush_waits.setdefault(rid, now + FIRST_TOKEN_WAIT_S)
+        if now >= deadline or not connector.awaits_first_token(request):
+            return False
+        return why_not(request, -1, self.max_model_len) is None  # type: ignore[attr-defined]
 
     def _update_waiting_for_remote_kv(self, request: Any) -> None:
         self._give_first_token(request)
@@ -136,15 +175,15 @@ class FirstTokenMixin:
     ) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         given = self._kvpush_given
-        if not given:
-            return outputs
-        for engine_outputs in outputs.values():
-            for out in engine_outputs.outputs:
-                token_id = given.pop(out.request_id, None)
-                if token_id is not None:
-                    out.new_token_ids = [token_id, *out.new_token_ids]
-        for rid in [r for r in given if r not in self.requests]:  # type: ignore[attr-defined]
-            del given[rid]  # finished with no output (aborted)
+        if given:
+            for engine_outputs in outputs.values():
+                for out in engine_outputs.outputs:
+                    token_id = given.pop(out.request_id, None)
+                    if token_id is not None:
+                        out.new_token_ids = [token_id, *out.new_token_ids]
+        for kept in (given, self._kvpush_waits):  # of requests finished since
+            for rid in [r for r in kept if r not in self.requests]:  # type: ignore[attr-defined]
+                del kept[rid]
         return outputs
 
 

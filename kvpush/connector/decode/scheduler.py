@@ -276,6 +276,15 @@ class DecodeScheduler:
             self._first_tokens.popitem(last=False)
             self.counters.add("first_token.dropped")
 
+    def awaits_first_token(self, request: Any) -> bool:
+        """Whether ``request`` is an early-bound leg whose first token prefill
+        will tell and has not yet (reads the sockets first)."""
+        leg = self._legs.of(request)
+        if not isinstance(leg, DecodeLeg) or leg.num_kv_tokens is not None:
+            return False
+        self._forward_replies()
+        return leg.transfer_id not in self._first_tokens
+
     def first_token(self, request: Any) -> int | None:
         """The token prefill sampled after ``request``'s pushed prompt, if
         it came (taken: asked once per request, when its KV landed); None
