@@ -44,6 +44,12 @@ from kvpush.transfer.messages import (
 
 logger = logging.getLogger(__name__)
 
+# A decode's connection to a side channel is pinged (ZMTP heartbeats) and
+# dropped when a pong is this late, so that after a partition it reconnects
+# (and decode reconciles) rather than wait out TCP's retransmission back-off
+# on a connection that carried data when the link went down.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
 POLL_MS = 50  # the listener's wake-up period when idle (not a busy poll)
 # (a reply wakes it at once: :meth:`Listener.reply`)
 SEND_HWM = 10_000  # messages queued per peer before sends fail
@@ -217,6 +223,8 @@ class Peers:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             if self._monitor:
                 events = _UP_EVENTS | _DOWN_EVENTS
                 self._monitors[(host, port)] = sock.get_monitor_socket(events)

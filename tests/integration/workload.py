@@ -91,6 +91,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "completion-stream-plain": plain(completion(text_of(300, seed=8), stream=True)),
     "chat-plain": plain(chat(text_of(250, seed=9), stream=False)),
 }
+PLAIN = frozenset({"completion-stream-plain", "chat-plain"})  # no logprobs
 # Thirty-two mixed-length requests sent all at once in P/D.
 CONCURRENT: dict[str, tuple[str, dict[str, Any]]] = {
     f"concurrent-{i}": completion(text_of(5 + 47 * i, seed=100 + i), stream=i % 2 == 0)
