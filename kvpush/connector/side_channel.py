@@ -47,9 +47,10 @@ logger = logging.getLogger(__name__)
 # A decode's connection to a side channel is pinged (ZMTP heartbeats) and
 # dropped when a pong is this late, so that after a partition it reconnects
 # (and decode reconciles) rather than wait out TCP's retransmission back-off
-# on a connection that carried data when the link went down.
+# on a connection that carried data when the link went down. Long enough
+# that a short cut (a few seconds) keeps the connection and its transfers.
 HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000
+HEARTBEAT_TIMEOUT_MS = 6000
 POLL_MS = 50  # the listener's wake-up period when idle (not a busy poll)
 # (a reply wakes it at once: :meth:`Listener.reply`)
 SEND_HWM = 10_000  # messages queued per peer before sends fail
