@@ -170,16 +170,20 @@ class KvPushConnector(KVConnectorBase_V1):
         """The token prefill sampled after ``request``'s prompt, for kvpush's
         vLLM scheduler class (:mod:`kvpush.connector.decode.first_token`);
         None unless this instance decodes that request and the token came."""
-        if self._decode is None or self._side_of(request) is not self._decode:
-            return None
-        return self._decode.first_token(request)
+        decode = self._decoding(request)
+        return None if decode is None else decode.first_token(request)
 
     def awaits_first_token(self, request: Any) -> bool:
         """Whether prefill will tell ``request``'s first token and it has not
         come yet (an early-bound leg this instance decodes)."""
+        decode = self._decoding(request)
+        return decode is not None and decode.awaits_first_token(request)
+
+    def _decoding(self, request: Any) -> DecodeScheduler | None:
+        """This instance's decode side if it serves ``request``, else None."""
         if self._decode is None or self._side_of(request) is not self._decode:
-            return False
-        return self._decode.awaits_first_token(request)
+            return None
+        return self._decode
 
     def first_token_outcome(self, reason: Any) -> None:
         """What the scheduler class did with a first token :meth:`first_token`

@@ -31,8 +31,10 @@ structured output), ``t1`` ends the request, or the prompt is not plain
 token ids. ``vllm:kvpush_events_total{event="first_token.*"}`` counts
 each outcome.
 
-vLLM's scheduler interface is not public; these two overrides are the
-hook, pinned to vLLM 0.32 (``requirements``) and tested against its real
+vLLM's scheduler interface is not public; the mixin's three overrides
+(``_update_waiting_for_remote_kv``, ``_handle_blocked_waiting_request``,
+``update_from_output``) are the hook, pinned to vLLM 0.32
+(``requirements``) and tested against its real
 schedulers (``tests/unit/test_decode_first_token.py``). Use
 :class:`KvPushScheduler` with vLLM's synchronous scheduling (the CPU
 build's only one) and :class:`KvPushAsyncScheduler` with async scheduling
@@ -116,7 +118,7 @@ def continue_from(request: Any, token_id: int) -> None:
 
 
 class FirstTokenMixin:
-    """The two overrides, over either of vLLM's schedulers."""
+    """The overrides, over either of vLLM's schedulers."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -279,25 +279,31 @@ class DecodeScheduler:
     def awaits_first_token(self, request: Any) -> bool:
         """Whether ``request`` is an early-bound leg whose first token prefill
         will tell and has not yet (reads the sockets first)."""
-        leg = self._legs.of(request)
-        if not isinstance(leg, DecodeLeg) or leg.num_kv_tokens is not None:
-            return False
-        self._forward_replies()
-        return leg.transfer_id not in self._first_tokens
+        leg = self._early_leg(request)
+        return leg is not None and leg.transfer_id not in self._first_tokens
 
     def first_token(self, request: Any) -> int | None:
         """The token prefill sampled after ``request``'s pushed prompt, if
         it came (taken: asked once per request, when its KV landed); None
         for any other request. Reads the sockets first, so a token that
         came during this step counts."""
-        leg = self._legs.of(request)
-        if not isinstance(leg, DecodeLeg) or leg.num_kv_tokens is not None:
-            return None  # not a leg, or late-bound (its prompt ends with it)
-        self._forward_replies()
+        leg = self._early_leg(request)
+        if leg is None:
+            return None
         token_id = self._first_tokens.pop(leg.transfer_id, None)
         if token_id is None:
             self.counters.add("first_token.missing")  # not in time: computed
         return token_id
+
+    def _early_leg(self, request: Any) -> DecodeLeg | None:
+        """``request``'s leg if bound early (prefill tells its first token;
+        a late leg's prompt already ends with it), after reading the
+        sockets, so that a token that came during this step counts."""
+        leg = self._legs.of(request)
+        if not isinstance(leg, DecodeLeg) or leg.num_kv_tokens is not None:
+            return None
+        self._forward_replies()
+        return leg
 
     def first_token_outcome(self, reason: Any) -> None:
         """Count what became of a token :meth:`first_token` gave: continued
