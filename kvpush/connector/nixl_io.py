@@ -75,17 +75,23 @@ class NixlIO:
         self._reg = self._agent.get_reg_descs(regions, mem_type)
         self._agent.register_memory(self._reg)
         self.metadata: bytes = self._agent.get_agent_metadata()
-        self._remotes: set[str] = set()
+        self._remotes: dict[str, bytes] = {}  # loaded agent name -> metadata
 
     def load_peer(self, agent_name: str, metadata: bytes) -> str:
-        """Load (or reload, after a peer restart) a remote agent's metadata."""
+        """Load a remote agent's metadata, once per peer process: the same
+        metadata again (a decode that reconnected, or said Hello after
+        prefill had dropped it as silent) keeps the loaded agent and its
+        connection. Other metadata under a loaded name is a new process of
+        that peer (a restart): the old agent is replaced."""
+        if self._remotes.get(agent_name) == metadata:
+            return agent_name
         if agent_name in self._remotes:
             self._agent.remove_remote_agent(agent_name)
-            self._remotes.discard(agent_name)
+            del self._remotes[agent_name]
         name: str = self._agent.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
-        self._remotes.add(name)
+        self._remotes[name] = metadata
         return name
 
     def write(self, src: Descs, dst: Descs, peer: str, notif: bytes) -> Any:

@@ -181,7 +181,22 @@ def assert_no_digest_mismatch(cluster: Cluster, decode: str = "decode0") -> None
     nudge(cluster, decode)  # counts reach /metrics with the step after them
     events = counters(cluster)[decode]
     assert events["digest_verified"] >= 1, events
-    assert events["digest_mismatch"] == 0, events
+    assert events["digest_mismatch"] == 0, (events, kvpush_warnings(cluster))
+
+
+def kvpush_warnings(cluster: Cluster, last: int = 60) -> dict[str, list[str]]:
+    """The last ``last`` of kvpush's own log lines (its warnings and errors:
+    dropped peers, failed WRITEs, corrupt KV) of every instance, for a
+    failure message: CI keeps no cluster logs."""
+    out = {}
+    for rec in cluster.state.processes:
+        lines = [
+            line
+            for line in read_lines(Path(rec.log_path))
+            if "kvpush: " in line and "FAULT INJECTION" not in line
+        ]
+        out[rec.name] = lines[-last:]
+    return out
 
 
 def nudge(cluster: Cluster, name: str) -> None:

@@ -112,6 +112,15 @@ class FakeAgent:
         self.init_error: Exception | None = None
         self.handle = object()
         self.released: list[Any] = []
+        self.remote_calls: list[tuple[str, str]] = []  # (call, agent name)
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        name = metadata.split(b"|")[0]  # "name|boot": the test's metadata
+        self.remote_calls.append(("add", name.decode()))
+        return name
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.remote_calls.append(("remove", name))
 
     def get_reg_descs(self, regions: Any, mem_type: str) -> Any:
         return regions

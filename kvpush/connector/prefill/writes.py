@@ -225,6 +225,12 @@ class Writes:
             if state is not XferState.ERR:
                 return None
             flight.failed, flight.next_try = True, now
+            logger.warning(
+                "kvpush: the WRITE of %s to decode %s rank %d ended in ERR",
+                flight.transfer_id,
+                flight.engine_id,
+                flight.dst_rank,
+            )
         if now < flight.next_try:
             return None
         if self._io.release(flight.handle):
