@@ -31,12 +31,12 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpush.connector.decode.first_token import (
-    FIRST_TOKEN_WAIT_S,
     KvPushAsyncScheduler,
     KvPushScheduler,
     NotGiven,
     why_not,
 )
+from kvpush.connector.decode.step_time import DEFAULT_S
 from kvpush.model import make_model
 from tests.unit.test_model import SMALL
 
@@ -259,7 +259,7 @@ def test_an_idle_decode_waits_for_a_first_token_on_its_way(
     scheduler, clock = _idle_with_a_landed_request(model_dir, cls)
 
     assert scheduler.schedule().num_scheduled_tokens == {}  # waits
-    clock.now += FIRST_TOKEN_WAIT_S / 2
+    clock.now += DEFAULT_S / 2
     assert scheduler.schedule().num_scheduled_tokens == {}  # still within
     scheduler.connector.tokens["r1"] = T1  # it came
 
@@ -272,10 +272,40 @@ def test_an_idle_decode_waits_for_a_first_token_on_its_way(
 def test_the_wait_ends_at_its_deadline(model_dir: pathlib.Path) -> None:
     scheduler, clock = _idle_with_a_landed_request(model_dir, KvPushScheduler)
     assert scheduler.schedule().num_scheduled_tokens == {}
-    clock.now += FIRST_TOKEN_WAIT_S
+    clock.now += DEFAULT_S
 
     out = scheduler.schedule()  # computes t1 itself
 
+    assert out.num_scheduled_tokens == {"r1": 1}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == len(PROMPT) - 1
+
+
+@pytest.mark.parametrize("cls", [KvPushScheduler, KvPushAsyncScheduler])
+def test_the_wait_lasts_a_lone_step_as_measured(
+    model_dir: pathlib.Path, cls: type
+) -> None:
+    """On a decode whose lone steps take 20 ms (a large model), an idle
+    request waits for t1 that long, not the tiny model's 5 ms."""
+    scheduler = _scheduler(model_dir, cls)
+    clock = Clock()
+    scheduler._kvpush_clock = clock
+    other = _request("r0", max_tokens=4)
+    _land(scheduler, other)
+    scheduler.connector.tokens["r0"] = T1
+    for token in range(T2, T2 + 3):  # r0's lone steps, 20 ms each
+        out = scheduler.schedule()
+        assert out.total_num_scheduled_tokens == 1
+        clock.now += 0.020
+        _step(scheduler, out, {"r0": [token]})
+    assert "r0" not in scheduler.requests  # it finished: the decode is idle
+    scheduler.connector.expected.add("r1")
+    _land(scheduler, _request())
+
+    assert scheduler.schedule().num_scheduled_tokens == {}  # waits
+    clock.now += 0.015  # past the default, within the step measured
+    assert scheduler.schedule().num_scheduled_tokens == {}
+    clock.now += 0.005
+    out = scheduler.schedule()  # a step's worth: computes t1 itself
     assert out.num_scheduled_tokens == {"r1": 1}
     assert out.scheduled_new_reqs[0].num_computed_tokens == len(PROMPT) - 1
 

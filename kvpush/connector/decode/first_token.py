@@ -19,8 +19,10 @@ instance would have (and the router drops ``t1`` as it always has).
 
 Prefill sends ``t1`` a step after its forward, so on an idle decode the KV
 often lands first. An idle decode (nothing running) then waits for ``t1``
-up to :data:`FIRST_TOKEN_WAIT_S` rather than spend a step computing it; a
-busy one never waits (its next step would carry the recompute anyway).
+up to one lone decode step, as measured on this instance
+(:mod:`~kvpush.connector.decode.step_time`), rather than spend that step
+computing it; a busy one never waits (its next step would carry the
+recompute anyway).
 
 It is only an optimisation: a request goes the old way (``t1`` computed
 again; correct, one step slower) when ``t1`` did not come in time, or
@@ -31,9 +33,9 @@ structured output), ``t1`` ends the request, or the prompt is not plain
 token ids. ``vllm:kvpush_events_total{event="first_token.*"}`` counts
 each outcome.
 
-vLLM's scheduler interface is not public; the mixin's three overrides
+vLLM's scheduler interface is not public; the mixin's overrides
 (``_update_waiting_for_remote_kv``, ``_handle_blocked_waiting_request``,
-``update_from_output``) are the hook, pinned to vLLM 0.32
+``update_from_output``; ``schedule`` only times steps) are the hook, pinned to vLLM 0.32
 (``requirements``) and tested against its real
 schedulers (``tests/unit/test_decode_first_token.py``). Use
 :class:`KvPushScheduler` with vLLM's synchronous scheduling (the CPU
@@ -49,12 +51,11 @@ import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-# How long an idle decode holds a landed request for prefill's first token
-# (about one decode step of the tiny model here; the step it saves).
-FIRST_TOKEN_WAIT_S = 0.005
+from kvpush.connector.decode.step_time import LoneStepTime
 
 
 class NotGiven(enum.Enum):
@@ -125,6 +126,13 @@ class FirstTokenMixin:
         self._kvpush_given: dict[str, int] = {}  # req id -> t1 its output lacks
         self._kvpush_waits: dict[str, float] = {}  # req id -> wait deadline
         self._kvpush_clock = time.monotonic
+        self._kvpush_step = LoneStepTime()  # how long an idle wait for t1 lasts
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        started = self._kvpush_clock()
+        out: SchedulerOutput = super().schedule(throttle_prefills)  # type: ignore[misc]
+        self._kvpush_step.started(id(out), started)
+        return out
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         if self._waits_for_first_token(request):
@@ -147,7 +155,8 @@ class FirstTokenMixin:
         ):
             return False
         now = self._kvpush_clock()
-        deadline = self._kvpush_waits.setdefault(rid, now + FIRST_TOKEN_WAIT_S)
+        wait_s = self._kvpush_step.seconds
+        deadline = self._kvpush_waits.setdefault(rid, now + wait_s)
         if now >= deadline or not connector.awaits_first_token(request):
             return False
         return why_not(request, -1, self.max_model_len) is None  # type: ignore[attr-defined]
@@ -176,6 +185,11 @@ class FirstTokenMixin:
         self, scheduler_output: Any, model_runner_output: Any
     ) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        self._kvpush_step.ended(
+            id(scheduler_output),
+            scheduler_output.total_num_scheduled_tokens,
+            self._kvpush_clock(),
+        )
         given = self._kvpush_given
         if given:
             for engine_outputs in outputs.values():
