@@ -7,7 +7,7 @@ metadata is the caller's ``load`` function)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvpush.transfer.heads import HeadSlice, slice_problem
 from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout, compat_problem
@@ -23,7 +23,6 @@ class DecodePeer:
     layout: KvLayout
     route: bytes  # the decode worker's side-channel socket, for replies
     boot_id: str
-    metadata: bytes
 
 
 class DecodePeers:
@@ -50,9 +49,10 @@ class DecodePeers:
     ) -> str | None:
         """Take a decode rank's Hello (from socket ``route``), to which this
         rank writes ``head_slice``: why it is refused, or None once the peer
-        is known (its metadata loaded with ``load``, or, for the same agent
-        seen again, only its route updated). A known peer of another boot
-        must have been forgotten first."""
+        is known, replies going to ``route`` (its metadata loaded with
+        ``load``, which keeps an agent already loaded from the same process:
+        :meth:`~kvpush.connector.nixl_io.NixlIO.load_peer`). A known peer of
+        another boot must have been forgotten first."""
         if head_slice.is_whole_block:
             problem = compat_problem(local, hello.layout)
         else:
@@ -60,23 +60,12 @@ class DecodePeers:
         if problem is not None:
             return problem
         key = (hello.engine_id, hello.rank)
-        known = self._peers.get(key)
-        if known is not None and known.metadata == hello.nixl_metadata:
-            self.reroute(key, route)  # same decode, new socket
-            return None
         try:
             agent = load(hello.agent_name, hello.nixl_metadata)
         except Exception as e:  # bad metadata is the peer's problem
             return f"cannot load NIXL metadata: {e}"
-        peer = DecodePeer(
-            agent, hello.layout, route, hello.boot_id, hello.nixl_metadata
-        )
-        self._peers[key] = peer
+        self._peers[key] = DecodePeer(agent, hello.layout, route, hello.boot_id)
         return None
-
-    def reroute(self, key: PeerKey, route: bytes) -> None:
-        """The same decode rank said hello again from another socket."""
-        self._peers[key] = replace(self._peers[key], route=route)
 
     def heard(self, engine_id: str, now: float) -> None:
         """Any message from ``engine_id`` (decodes beat every second while
