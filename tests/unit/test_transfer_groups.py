@@ -1,0 +1,73 @@
+"""Block ids per KV-cache group (:mod:`kvpush.transfer.groups`): the one
+place a source index is paired with a destination index."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpush.transfer import groups
+
+
+def test_one_wraps_a_flat_list_as_one_group() -> None:
+    assert groups.one([4, 5, 6]) == ((4, 5, 6),)
+
+
+def test_flat_and_total_follow_group_order() -> None:
+    g = groups.of([[1, 2], [], [7]])
+    assert groups.flat(g) == (1, 2, 7)
+    assert groups.total(g) == 3
+
+
+def test_aligned_slices_every_group_by_prompt_block() -> None:
+    src = groups.of([[10, 11, 12, 13], [20, 21, 22, 23]])
+    dst = groups.of([[31, 32, 33], [41, 42, 43]])  # decode holds block 0
+    assert groups.aligned(src, dst, 2, 4, first_block=1) == (
+        ((12, 13), (22, 23)),
+        ((32, 33), (42, 43)),
+    )
+
+
+def test_aligned_refuses_a_group_count_mismatch() -> None:
+    with pytest.raises(ValueError, match="groups cannot pair"):
+        groups.aligned(groups.one([1, 2]), groups.of([[3, 4], [5, 6]]), 0, 2, 0)
+
+
+def test_aligned_refuses_a_group_shorter_than_the_span() -> None:
+    src = groups.of([[1, 2, 3], [4, 5]])
+    dst = groups.of([[6, 7, 8], [9, 10, 11]])
+    with pytest.raises(ValueError, match="group 1 holds 2 source"):
+        groups.aligned(src, dst, 0, 3, 0)
+
+
+def test_aligned_refuses_a_span_before_decodes_first_block() -> None:
+    with pytest.raises(ValueError, match="first block 1"):
+        groups.aligned(groups.one([1, 2]), groups.one([3]), 0, 2, 1)
+
+
+def test_an_id_in_two_groups_is_a_problem() -> None:
+    assert groups.distinct_problem(groups.of([[1, 2], [3]])) is None
+    assert groups.distinct_problem(groups.of([[1, 2], [2]])) is not None
+
+
+@given(
+    st.integers(1, 4),  # groups
+    st.integers(1, 12),  # prompt blocks
+    st.data(),
+)
+def test_every_pair_is_one_prompt_block(num_groups: int, n: int, data) -> None:
+    """Source ``g * 100 + i`` and destination ``g * 100 + i + 1000`` name
+    prompt block ``i`` of group ``g``: every pair made is one block."""
+    first = data.draw(st.integers(0, n - 1))
+    start = data.draw(st.integers(first, n))
+    end = data.draw(st.integers(start, n))
+    src = groups.of([[g * 100 + i for i in range(n)] for g in range(num_groups)])
+    dst = groups.of(
+        [[g * 100 + i + 1000 for i in range(first, n)] for g in range(num_groups)]
+    )
+    s, d = groups.aligned(src, dst, start, end, first)
+    assert len(s) == len(d) == num_groups
+    for sg, dg in zip(s, d, strict=True):
+        assert len(sg) == len(dg) == end - start
+        assert all(b + 1000 == a for a, b in zip(dg, sg, strict=True))
