@@ -32,15 +32,16 @@ read here except through the ``read`` callable the caller passes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvpush.transfer.coalesce import runs
-from kvpush.transfer.heads import HeadSlice, slice_descriptors
+from kvpush.transfer import groups
+from kvpush.transfer.groups import GroupBlocks
+from kvpush.transfer.heads import HeadSlice, group_descriptors
 from kvpush.transfer.layout import KvLayout
 
 VERIFY_MODES: tuple[str, ...] = ("off", "sample", "all")
@@ -96,28 +97,31 @@ VERIFY_OFF = VerifyPolicy()
 
 
 def source_ranges(
-    src_block_ids: Sequence[int],
-    dst_block_ids: Sequence[int],
+    src_block_ids: GroupBlocks,
+    dst_block_ids: GroupBlocks,
     src: KvLayout,
     dst: KvLayout,
     head_slice: HeadSlice,
 ) -> Ranges:
     """Prefill's side: the source ranges of every copy of ``head_slice``
-    from ``src_block_ids[i]`` to ``dst_block_ids[i]`` in every layer,
-    ordered by the destination address each lands at."""
+    from ``src_block_ids[g][i]`` to ``dst_block_ids[g][i]`` (per KV-cache
+    group) in every layer, ordered by the destination address each lands
+    at."""
     layers = range(src.num_layers)
-    block_runs = runs(src_block_ids, dst_block_ids)
-    src_d, dst_d = slice_descriptors(block_runs, src, dst, layers, head_slice)
+    src_d, dst_d, _ = group_descriptors(
+        src_block_ids, dst_block_ids, src, dst, layers, head_slice
+    )
     order = np.argsort(dst_d[:, 0], kind="stable")
     return np.ascontiguousarray(src_d[order][:, :2])
 
 
 def destination_ranges(
-    dst_block_ids: Sequence[int], dst: KvLayout, head_slice: HeadSlice
+    dst_block_ids: GroupBlocks, dst: KvLayout, head_slice: HeadSlice
 ) -> Ranges:
-    """Decode's side: where ``head_slice`` lands in ``dst_block_ids`` of
-    every layer, in address order (one range per block per region)."""
-    ids = np.asarray(dst_block_ids, dtype=np.uint64)
+    """Decode's side: where ``head_slice`` lands in every group's
+    ``dst_block_ids`` of every layer, in address order (one range per block
+    per region)."""
+    ids = np.asarray(groups.flat(dst_block_ids), dtype=np.uint64)
     head_bytes = dst.block_bytes // head_slice.dst.num_heads
     offset = head_slice.dst_heads.start * head_bytes
     bases = np.asarray(dst.base_addrs, dtype=np.uint64)

@@ -38,7 +38,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvpush.transfer.coalesce import Descs, Run, Runs, descriptors
+from kvpush.transfer.coalesce import Descs, Run, Runs, descriptors, runs
+from kvpush.transfer.groups import GroupBlocks
 from kvpush.transfer.layout import KvLayout, NonNegInt, PosInt
 
 HEAD_SEPARABLE_LAYOUTS = frozenset({"LBHNC"})
@@ -286,6 +287,36 @@ def slice_descriptors(
     _fill(out[1], dst, layers, dst_ids, head_slice.dst_heads.start * head_bytes)
     out[:, :, :, 1] = nbytes
     return out[0].reshape(-1, 3), out[1].reshape(-1, 3)
+
+
+def group_descriptors(
+    src_groups: GroupBlocks,
+    dst_groups: GroupBlocks,
+    src: KvLayout,
+    dst: KvLayout,
+    layers: range,
+    head_slice: HeadSlice,
+) -> tuple[Descs, Descs, int]:
+    """:func:`slice_descriptors` for each KV-cache group's pairs
+    (:mod:`kvpush.transfer.groups`), in group order, as one WRITE's two
+    arrays, and how many block runs they hold. One group gives exactly
+    :func:`slice_descriptors`'s arrays."""
+    srcs, dsts, num_runs = [], [], 0
+    for s, d in zip(src_groups, dst_groups, strict=True):
+        if not s:
+            continue
+        block_runs = runs(s, d)
+        src_d, dst_d = slice_descriptors(block_runs, src, dst, layers, head_slice)
+        srcs.append(src_d)
+        dsts.append(dst_d)
+        num_runs += len(block_runs)
+    if len(srcs) == 1:
+        return srcs[0], dsts[0], num_runs
+    if not srcs:
+        empty = np.empty((0, 3), dtype=np.uint64)
+        return empty, empty.copy(), 0
+    src_all = np.ascontiguousarray(np.concatenate(srcs))
+    return src_all, np.ascontiguousarray(np.concatenate(dsts)), num_runs
 
 
 def _blocks(

@@ -19,28 +19,37 @@ landed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from kvpush.transfer import groups
+from kvpush.transfer.groups import GroupBlocks
 
 
 @dataclass(frozen=True)
 class WorkItem:
-    """Copy ``src_block_ids[i]`` → ``dst_block_ids[i]`` in every layer of
+    """Copy ``src_block_ids[g][i]`` → ``dst_block_ids[g][i]`` (one list per
+    KV-cache group, :mod:`kvpush.transfer.groups`) in every layer of
     ``layers``; post the transfer's Done notification with it when
-    ``notify``. ``ValueError`` on empty or unequal blocks or a bad range."""
+    ``notify``. ``ValueError`` on no blocks, groups of unequal counts or
+    lengths on the two sides, or a bad range."""
 
     transfer_id: str
-    src_block_ids: tuple[int, ...]
-    dst_block_ids: tuple[int, ...]
+    src_block_ids: GroupBlocks
+    dst_block_ids: GroupBlocks
     layers: range
     notify: bool
 
     def __post_init__(self) -> None:
-        if not self.src_block_ids or len(self.src_block_ids) != len(self.dst_block_ids):
+        src, dst = self.src_block_ids, self.dst_block_ids
+        if (
+            groups.total(src) == 0
+            or len(src) != len(dst)
+            or any(len(s) != len(d) for s, d in zip(src, dst, strict=True))
+        ):
             raise ValueError(
-                f"a work item needs equal, non-zero block counts; got "
-                f"{len(self.src_block_ids)} source and {len(self.dst_block_ids)} "
-                "destination blocks"
+                "a work item needs the same groups of equal block counts on "
+                f"both sides, not all empty; got {[len(g) for g in src]} source "
+                f"and {[len(g) for g in dst]} destination blocks"
             )
         if self.layers.step != 1 or self.layers.start < 0 or not self.layers:
             raise ValueError(
@@ -49,14 +58,14 @@ class WorkItem:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.src_block_ids)
+        return groups.total(self.src_block_ids)
 
 
 def split_whole(
-    transfer_id: str, src: Sequence[int], dst: Sequence[int], num_layers: int
+    transfer_id: str, src: GroupBlocks, dst: GroupBlocks, num_layers: int
 ) -> list[WorkItem]:
     """The whole transfer, all layers, as one notifying item."""
-    return [WorkItem(transfer_id, tuple(src), tuple(dst), range(num_layers), True)]
+    return [WorkItem(transfer_id, src, dst, range(num_layers), True)]
 
 
 def split_layers(item: WorkItem, layers_per_item: int = 1) -> list[WorkItem]:
@@ -79,7 +88,7 @@ class ChunkCursor:
     """Streams one matched transfer to decode as prefill computes it.
 
     Created by the prefill thread that owns the match (from the
-    registration: ``dst_block_ids``, ``first_block``, ``num_tokens``);
+    registration: ``dst_block_ids`` per group, ``first_block``, ``num_tokens``);
     :meth:`advance` is called after each prefill step with the request's
     source block ids so far and its computed-token count. It emits items for
     blocks that are now complete and not yet sent: a block is complete when
@@ -90,7 +99,7 @@ class ChunkCursor:
     def __init__(
         self,
         transfer_id: str,
-        dst_block_ids: Sequence[int],
+        dst_block_ids: GroupBlocks,
         first_block: int,
         num_tokens: int,
         block_size: int,
@@ -99,13 +108,14 @@ class ChunkCursor:
         if block_size < 1 or num_layers < 1 or first_block < 0:
             raise ValueError("block_size and num_layers must be >= 1, first_block >= 0")
         self._total = -(-num_tokens // block_size)
-        if not dst_block_ids or first_block + len(dst_block_ids) != self._total:
+        lengths = {len(g) for g in dst_block_ids}
+        if not dst_block_ids or lengths != {self._total - first_block}:
             raise ValueError(
                 f"{num_tokens} tokens are {self._total} blocks; first_block "
-                f"{first_block} + {len(dst_block_ids)} destination blocks differ"
+                f"{first_block} + {sorted(lengths)} destination blocks differ"
             )
         self.transfer_id = transfer_id
-        self._dst = tuple(dst_block_ids)
+        self._dst = dst_block_ids
         self._first = first_block
         self._num_tokens = num_tokens
         self._block_size = block_size
@@ -117,9 +127,7 @@ class ChunkCursor:
         """True once the notifying item has been emitted."""
         return self._next >= self._total
 
-    def advance(
-        self, src_block_ids: Sequence[int], num_computed: int
-    ) -> list[WorkItem]:
+    def advance(self, src_block_ids: GroupBlocks, num_computed: int) -> list[WorkItem]:
         """Items for newly complete blocks (zero or one item per call).
         ``ValueError`` when fewer source blocks are given than are complete."""
         if num_computed >= self._num_tokens:
@@ -128,16 +136,14 @@ class ChunkCursor:
             complete = max(num_computed, 0) // self._block_size
         if complete <= self._next:
             return []
-        if len(src_block_ids) < complete:
-            raise ValueError(
-                f"{complete} blocks are complete but only "
-                f"{len(src_block_ids)} source block ids were given"
-            )
-        start, self._next = self._next, complete
+        src, dst = groups.aligned(
+            src_block_ids, self._dst, self._next, complete, self._first
+        )
+        self._next = complete
         item = WorkItem(
             transfer_id=self.transfer_id,
-            src_block_ids=tuple(src_block_ids[start:complete]),
-            dst_block_ids=self._dst[start - self._first : complete - self._first],
+            src_block_ids=src,
+            dst_block_ids=dst,
             layers=self._layers,
             notify=complete == self._total,
         )

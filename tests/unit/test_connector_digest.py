@@ -34,6 +34,7 @@ from kvpush.transfer.digest import (
     sample_point,
     source_ranges,
 )
+from kvpush.transfer.groups import of, one
 from kvpush.transfer.messages import Done, decode
 from kvpush.transfer.ranks import TpPair
 from tests.fakes.fake_nixl import FakeMemory, FakeNixlIO, wait_for
@@ -250,7 +251,7 @@ def test_every_decode_rank_checks_what_its_writers_wrote(
             dst = c.dst_mem[d]
             if d == bad_rank:  # the last byte this rank received
                 ranges = destination_ranges(
-                    DST, c.decode_ios[d].layout, _slice_into(c.pair, d)
+                    one(DST), c.decode_ios[d].layout, _slice_into(c.pair, d)
                 )
                 addr, length = (int(x) for x in ranges[-1])
                 dst.flip(addr + length - 1)
@@ -285,10 +286,33 @@ def test_source_and_destination_ranges_cover_the_same_bytes():
         for head_slice in c.pair.targets_of(0):
             d = head_slice.dst_rank
             src = source_ranges(
-                (4, 5, 6, 9), DST, c.rigs[0].io.layout, c.decode_ios[d].layout,
-                head_slice,
+                one((4, 5, 6, 9)), one(DST), c.rigs[0].io.layout,
+                c.decode_ios[d].layout, head_slice,
             )  # fmt: skip
-            dst = destination_ranges(DST, c.decode_ios[d].layout, head_slice)
+            dst = destination_ranges(one(DST), c.decode_ios[d].layout, head_slice)
+            assert src[:, 1].tolist() == dst[:, 1].tolist()
+            for (s, n), (t, _) in zip(src.tolist(), dst.tolist(), strict=True):
+                c.dst_mem[d].put(t, c.src_mem[0].at(s, n))
+            assert digest(src, c.src_mem[0].read) == digest(dst, c.dst_mem[d].read)
+    finally:
+        c.close()
+
+
+def test_two_groups_source_and_destination_ranges_hash_the_same_bytes():
+    """Blocks in two KV-cache groups, a partial head slice (P 1 / D 2):
+    prefill's ranges, copied, are decode's ranges, in the same order, and
+    digest alike."""
+    c = Cluster(1, 2, 2)
+    try:
+        fill(c.src_mem[0])
+        dst_ids = of([[DST[0], DST[1]], [DST[3], DST[2]]])
+        for head_slice in c.pair.targets_of(0):
+            d = head_slice.dst_rank
+            lay = c.decode_ios[d].layout
+            src = source_ranges(
+                of([[4, 5], [6, 9]]), dst_ids, c.rigs[0].io.layout, lay, head_slice
+            )
+            dst = destination_ranges(dst_ids, lay, head_slice)
             assert src[:, 1].tolist() == dst[:, 1].tolist()
             for (s, n), (t, _) in zip(src.tolist(), dst.tolist(), strict=True):
                 c.dst_mem[d].put(t, c.src_mem[0].at(s, n))
@@ -336,7 +360,7 @@ def test_the_verifier_thread_checks_off_the_callers_thread():
     fill(memory)
     pair = TpPair(1, 1)
     (head_slice,) = pair.targets_of(0)
-    want = digest(destination_ranges(DST, lay, head_slice), memory.read)
+    want = digest(destination_ranges(one(DST), lay, head_slice), memory.read)
     verifier = Verifier(lay, memory, 0, 1, 0, FaultSource(""))
     try:
         verifier.submit(Check(expect(), 0, want))

@@ -16,10 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.transfer.coalesce import Desc, desc_list, runs
+from kvpush.transfer.groups import of, one
 from kvpush.transfer.heads import (
     HeadShare,
     HeadSlice,
     TpMapping,
+    group_descriptors,
     head_split_problem,
     slice_descriptors,
     slice_problem,
@@ -269,6 +271,40 @@ def test_worked_example_prefill_tp1_to_decode_tp2() -> None:
     same = TpMapping(2, 2, 2)
     whole = slice_descriptors(block_runs, dst, dst, range(2), same.slices[1])
     assert len(whole[0]) == 2 and desc_list(whole[0])[0].length == 3 * hb
+
+
+@pytest.mark.parametrize("pair", [TpMapping(1, 1, 2), TpMapping(1, 2, 2)])
+def test_one_group_descriptors_equal_the_flat_ones(pair: TpMapping) -> None:
+    """Whole blocks and a head slice: a one-group transfer's WRITE is the
+    very arrays a flat block list gave."""
+    src = KvLayout.contiguous_layers(0, 2, 16, block_bytes=128, block_size=4)
+    dst = KvLayout.contiguous_layers(1 << 20, 2, 16, block_bytes=128, block_size=4)
+    if not pair.slices[-1].is_whole_block:
+        dst = KvLayout.contiguous_layers(1 << 20, 2, 16, block_bytes=64, block_size=4)
+    for head_slice in pair.slices:
+        flat = slice_descriptors(
+            runs([3, 4, 9], [7, 8, 2]), src, dst, range(2), head_slice
+        )
+        s, d, n = group_descriptors(
+            one((3, 4, 9)), one((7, 8, 2)), src, dst, range(2), head_slice
+        )
+        assert np.array_equal(s, flat[0]) and np.array_equal(d, flat[1])
+        assert n == 2  # (3, 4 -> 7, 8) and (9 -> 2)
+
+
+def test_groups_are_described_in_group_order_skipping_empty_ones() -> None:
+    lay = KvLayout.contiguous_layers(0, 2, 16, block_bytes=128, block_size=4)
+    (whole,) = TpMapping(1, 1, 2).slices
+    s, d, n = group_descriptors(
+        of([[1, 2], [], [5]]), of([[3, 4], [], [9]]), lay, lay, range(2), whole
+    )
+    first = slice_descriptors(runs([1, 2], [3, 4]), lay, lay, range(2), whole)
+    last = slice_descriptors(runs([5], [9]), lay, lay, range(2), whole)
+    assert np.array_equal(s, np.concatenate([first[0], last[0]]))
+    assert np.array_equal(d, np.concatenate([first[1], last[1]]))
+    assert n == 2
+    s, d, n = group_descriptors(of([[], []]), of([[], []]), lay, lay, range(2), whole)
+    assert (len(s), len(d), n) == (0, 0, 0)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush.connector.prefill.fence import LayerFences, ReadyFence
+from kvpush.transfer import groups
+from kvpush.transfer.groups import GroupBlocks
 from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause
@@ -187,12 +189,11 @@ class Stream:
             return None
         done = self._completes(spans)
         first = self.matched.registration.first_block
-        dst = self.matched.dst_block_ids
+        src, dst = groups.one(self._src), groups.one(self.matched.dst_block_ids)
         items = tuple(
             WorkItem(
-                transfer_id=self.transfer_id,
-                src_block_ids=tuple(self._src[s.start : s.end]),
-                dst_block_ids=tuple(dst[s.start - first : s.end - first]),
+                self.transfer_id,
+                *groups.aligned(src, dst, s.start, s.end, first),
                 layers=s.layers,
                 notify=done and i == len(spans) - 1,
             )
@@ -209,15 +210,16 @@ class Stream:
                 self._num_unsent -= len(span.layers)
         self.in_flight += num_writes
 
-    def whole(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Every (source, destination) block pair this transfer writes:
-        the prompt's blocks from decode's ``first_block`` on (what a KV
-        digest covers; known once matched and the final chunk came)."""
+    def whole(self) -> tuple[GroupBlocks, GroupBlocks]:
+        """Every (source, destination) block pair this transfer writes, per
+        KV-cache group: the prompt's blocks from decode's ``first_block`` on
+        (what a KV digest covers; known once matched and the final chunk
+        came)."""
         if self.matched is None:
             return (), ()
         first = self.matched.registration.first_block
-        src = tuple(self._src[first : self._num_blocks])
-        return src, tuple(self.matched.dst_block_ids[: len(src)])
+        src, dst = groups.one(self._src), groups.one(self.matched.dst_block_ids)
+        return groups.aligned(src, dst, first, self._num_blocks, first)
 
     def item_ended(self) -> None:
         self.in_flight -= 1

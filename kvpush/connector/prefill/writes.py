@@ -48,8 +48,8 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.nixl_io import NixlIO, WriteRefused, XferState
 from kvpush.connector.prefill.decode_peers import DecodePeer
 from kvpush.connector.trace import Tracer
-from kvpush.transfer.coalesce import Descs, runs
-from kvpush.transfer.heads import HeadSlice, slice_descriptors
+from kvpush.transfer.coalesce import Descs
+from kvpush.transfer.heads import HeadSlice, group_descriptors
 from kvpush.transfer.messages import Done, encode
 from kvpush.transfer.work import WorkItem
 
@@ -137,11 +137,16 @@ class Writes:
         layouts = (self._io.layout, peer.layout)
         srcs, dsts, num_runs, num_bytes = [], [], 0, 0
         for item in items:
-            block_runs = runs(item.src_block_ids, item.dst_block_ids)
-            src, dst = slice_descriptors(block_runs, *layouts, item.layers, head_slice)
+            src, dst, item_runs = group_descriptors(
+                item.src_block_ids,
+                item.dst_block_ids,
+                *layouts,
+                item.layers,
+                head_slice,
+            )
             srcs.append(src)
             dsts.append(dst)
-            num_runs += len(block_runs)
+            num_runs += item_runs
             num_bytes += item.num_blocks * len(item.layers)
         src, dst = (srcs[0], dsts[0]) if len(items) == 1 else _joined(srcs, dsts)
         notif = encode(done) if notify else b""
