@@ -16,13 +16,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvpush.transfer.groups import GroupBlocks
 from kvpush.transfer.messages import Failure
 
 
 @dataclass(frozen=True)
 class PushTrigger:
     """Prefill: once this step's forward is done, prompt blocks
-    ``first_block..`` of ``req_id`` (in ``src_block_ids``) are ready to push.
+    ``first_block..`` of ``req_id`` (in ``src_block_ids``, one list per
+    KV-cache group) are ready to push.
     A whole push is one trigger, ``final``, from block 0, in the step that
     computes the last prompt token. Streamed, each step that completes
     blocks triggers those (the first trigger also carries the blocks
@@ -34,7 +36,7 @@ class PushTrigger:
 
     req_id: str
     transfer_id: str
-    src_block_ids: tuple[int, ...]
+    src_block_ids: GroupBlocks
     num_tokens: int
     decode_engine_id: str | None
     first_block: int = 0

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 Blocks = tuple[int, ...]
 GroupBlocks = tuple[Blocks, ...]
+Groups = Sequence[Sequence[int]]  # any per-group sequences (read only)
 
 
 def one(block_ids: Sequence[int]) -> GroupBlocks:
@@ -38,9 +39,9 @@ def total(groups: GroupBlocks) -> int:
     return sum(len(g) for g in groups)
 
 
-def span(groups: GroupBlocks, start: int, end: int) -> GroupBlocks:
+def span(groups: Groups, start: int, end: int) -> GroupBlocks:
     """Prompt blocks ``start`` to ``end`` (exclusive) of every group."""
-    return tuple(g[start:end] for g in groups)
+    return tuple(tuple(g[start:end]) for g in groups)
 
 
 def distinct_problem(groups: GroupBlocks) -> str | None:
@@ -53,7 +54,7 @@ def distinct_problem(groups: GroupBlocks) -> str | None:
 
 
 def aligned(
-    src: GroupBlocks, dst: GroupBlocks, start: int, end: int, first_block: int
+    src: Groups, dst: Groups, start: int, end: int, first_block: int
 ) -> tuple[GroupBlocks, GroupBlocks]:
     """The pairs of prompt blocks ``start`` to ``end`` (exclusive): the
     source ids of those blocks and, for each, the destination id decode

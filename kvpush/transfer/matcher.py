@@ -58,10 +58,11 @@ registration bearing any other claim, or none, may come before its KV (a
 router that sends both legs at once) and waits for it.
 
 Prefix cache: decode registers only blocks ``first_block`` onwards of the
-prompt's ``n = ceil(num_tokens / block_size)`` blocks. The match pairs
-``ready.src_block_ids[first_block:n]`` with ``registration.dst_block_ids``
-one to one; blocks ``0..first_block-1`` are not sent. Prefill may hold more
-than ``n`` source blocks (extra trailing blocks are ignored) but not fewer.
+prompt's ``n = ceil(num_tokens / block_size)`` blocks. The match pairs, in
+every KV-cache group (:mod:`kvpush.transfer.groups`), source blocks
+``first_block..n-1`` with ``registration.dst_block_ids`` one to one; blocks
+``0..first_block-1`` are not sent. Prefill may hold more than ``n`` source
+blocks (extra trailing blocks are ignored) but not fewer.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from kvpush.transfer import groups
 from kvpush.transfer.deadlines import Deadlines
+from kvpush.transfer.groups import GroupBlocks
 from kvpush.transfer.messages import Registration, claim_digest
 
 Side = Literal["registration", "ready"]
@@ -97,17 +100,17 @@ def is_prefill_claim(token: str | None) -> bool:
 @dataclass(frozen=True)
 class ReadyKv:
     """Prefill's trigger: the prompt's KV for ``transfer_id`` is computed in
-    ``src_block_ids`` (block ``first_block + i`` of the prompt in
-    ``src_block_ids[i]``); ``decode_engine_id`` comes from the request's
-    :class:`PrefillLeg`. A whole push is one item with the defaults
-    (``first_block`` 0, ``final``). A streamed push sends one per prefill
-    chunk, in prompt order, each naming the blocks that chunk completed;
-    only the last is ``final``. The matcher holds only a stream's first
-    chunk (``first_block`` 0): it opens the transfer; each later chunk
-    only pushes its deadline back (:meth:`Matcher.refresh_ready`)."""
+    ``src_block_ids``, one list per KV-cache group (block ``first_block +
+    i`` of the prompt in ``src_block_ids[g][i]``); ``decode_engine_id``
+    comes from the request's :class:`PrefillLeg`. A whole push is one item
+    with the defaults (``first_block`` 0, ``final``). A streamed push sends
+    one per prefill chunk, in prompt order, each naming the blocks that
+    chunk completed; only the last is ``final``. The matcher holds only a
+    stream's first chunk (``first_block`` 0): it opens the transfer; each
+    later chunk only pushes its deadline back (:meth:`Matcher.refresh_ready`)."""
 
     transfer_id: str
-    src_block_ids: tuple[int, ...]
+    src_block_ids: GroupBlocks
     num_tokens: int
     decode_engine_id: str | None
     first_block: int = 0
@@ -150,14 +153,16 @@ class MatcherConfig:
 
 @dataclass(frozen=True)
 class Matched:
-    """Both halves are here: copy ``src_block_ids[i]`` to ``dst_block_ids[i]``
-    and post nothing after ``post_deadline``. The writer now owns it."""
+    """Both halves are here: copy ``src_block_ids[g][i]`` to
+    ``dst_block_ids[g][i]`` (per KV-cache group; the source ids the first
+    chunk knew, from decode's ``first_block``) and post nothing after
+    ``post_deadline``. The writer now owns it."""
 
     transfer_id: str
     registration: Registration
     ready: ReadyKv
-    src_block_ids: tuple[int, ...]
-    dst_block_ids: tuple[int, ...]
+    src_block_ids: GroupBlocks
+    dst_block_ids: GroupBlocks
     post_deadline: float
 
 
@@ -257,12 +262,14 @@ class Matcher:
             problem = f"num_tokens must be >= 1, got {ready.num_tokens}"
         elif ready.first_block != 0:
             problem = f"a transfer opens at block 0, not {ready.first_block}"
-        elif ready.final and len(ready.src_block_ids) < n:
+        elif not ready.src_block_ids:
+            problem = "a ready KV names no KV-cache group"
+        elif ready.final and min(len(g) for g in ready.src_block_ids) < n:
             problem = (
-                f"{ready.num_tokens} tokens need {n} blocks, "
-                f"prefill holds {len(ready.src_block_ids)}"
+                f"{ready.num_tokens} tokens need {n} blocks in every group, "
+                f"prefill holds {[len(g) for g in ready.src_block_ids]}"
             )
-        elif len(set(ready.src_block_ids)) != len(ready.src_block_ids):
+        elif groups.distinct_problem(ready.src_block_ids) is not None:
             problem = "source block ids repeat"
         held = _Held(now + self.config.ready_ttl_s, ready=ready)
         return self._add(ready.transfer_id, "ready", held, problem, now)
@@ -412,8 +419,8 @@ class Matcher:
             transfer_id=tid,
             registration=reg,
             ready=ready,
-            src_block_ids=ready.src_block_ids[reg.first_block : n],
-            dst_block_ids=reg.dst_block_ids,
+            src_block_ids=groups.span(ready.src_block_ids, reg.first_block, n),
+            dst_block_ids=groups.one(reg.dst_block_ids),
             post_deadline=reg_held.deadline,
         )
 
@@ -441,6 +448,11 @@ class Matcher:
             return (
                 f"decode expects {reg.num_tokens} tokens, "
                 f"prefill has {ready.num_tokens}"
+            )
+        if len(ready.src_block_ids) != 1:  # a registration names one group
+            return (
+                f"decode registered one KV-cache group, prefill has "
+                f"{len(ready.src_block_ids)}"
             )
         return None
 

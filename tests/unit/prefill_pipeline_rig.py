@@ -20,6 +20,7 @@ from kvpush.connector.prefill.pipeline import Pipeline, Ready, WriterConfig
 from kvpush.connector.prefill.transfer import Phase
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy
+from kvpush.transfer.groups import one
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import (
@@ -275,7 +276,7 @@ class PipelineRig:
         blocks ``first..``) is computed once ``fence`` says so; ``late``:
         its leg named no decode, only the claim digest of ``token``."""
         decode, digest = (None, claim_digest(token)) if late else (DECODE, None)
-        kv = ReadyKv(tid, src, 60, decode, first, final, claim_sha256=digest)
+        kv = ReadyKv(tid, one(src), 60, decode, first, final, claim_sha256=digest)
         self.pipeline.on_ready(Ready(kv, req_id, fence), now)
 
     # -- observations ------------------------------------------------------------

@@ -32,6 +32,7 @@ from kvpush.connector.metadata import (
 )
 from kvpush.connector.prefill.scheduler import PrefillScheduler
 from kvpush.connector.trace import Tracer
+from kvpush.transfer.groups import one
 from kvpush.transfer.messages import DecodeLeg, PrefillLeg, Registration
 from tests.fakes.fake_nixl import FakePeers, leftovers
 from tests.unit.test_connector_scheduler import (
@@ -160,7 +161,7 @@ def test_each_leg_is_served_by_its_side_in_one_step() -> None:
 
     assert isinstance(meta, BothMetadata)
     assert meta.prefill.triggers == [
-        PushTrigger("pre", "t2", (1, 2, 3, 4, 5), PROMPT, "d0")
+        PushTrigger("pre", "t2", one((1, 2, 3, 4, 5)), PROMPT, "d0")
     ]
     assert meta.decode.expects == [
         RecvExpect("dec", "t1", (6, 7, 8, 9, 10), "p0", "127.0.0.1", 5600)

@@ -26,6 +26,7 @@ from kvpush.connector.prefill.fence import (
     NoFence,
 )
 from kvpush.connector.prefill.worker import PrefillWorker
+from kvpush.transfer.groups import one
 from kvpush.transfer.matcher import ReadyKv
 from tests.fakes.fake_nixl import FakeNixlIO
 from tests.unit.test_connector_worker import RecordingWriter, make_config
@@ -39,7 +40,7 @@ def trigger(tid: str, blocks: tuple[int, ...], **kw) -> PushTrigger:
     return PushTrigger(
         req_id=f"r-{tid}",
         transfer_id=tid,
-        src_block_ids=blocks,
+        src_block_ids=one(blocks),
         num_tokens=600,
         decode_engine_id="d0",
         final=False,
@@ -130,7 +131,7 @@ def test_the_final_chunk_per_layer_marks_kv_ready_after_its_forward():
         assert writer.computed == [], "handed over, not yet computed"
         worker.wait_for_save()
         assert writer.computed == [
-            ReadyKv("t", (1, 2), 600, "d0", first_block=0, final=True)
+            ReadyKv("t", one((1, 2)), 600, "d0", first_block=0, final=True)
         ]
     finally:
         worker.close()

@@ -16,18 +16,19 @@ from kvpush.connector.prefill.transfer import (
     polls_device,
     sweep,
 )
+from kvpush.transfer.groups import one
 from kvpush.transfer.heads import HeadShare, HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause, Registration
 
-READY = ReadyKv("t1", (1, 2), 20, "d0")  # 2 blocks of 16 tokens
+READY = ReadyKv("t1", one((1, 2)), 20, "d0")  # 2 blocks of 16 tokens
 WHOLE = HeadSlice(HeadShare(1, 0, 1), HeadShare(1, 0, 1), 0, 1)
 
 
 def matched(tid: str = "t1", deadline: float = 10.0) -> Matched:
     reg = Registration(tid, "d0", "boot-1", (5, 6), num_tokens=20, ttl_s=10.0)
-    ready = ReadyKv(tid, (1, 2), 20, "d0")
-    return Matched(tid, reg, ready, (1, 2), (5, 6), post_deadline=deadline)
+    ready = ReadyKv(tid, one((1, 2)), 20, "d0")
+    return Matched(tid, reg, ready, one((1, 2)), one((5, 6)), post_deadline=deadline)
 
 
 def transfer(
@@ -37,7 +38,7 @@ def transfer(
     fence: ReadyFence = NO_FENCE,
 ) -> Transfer:
     """``tid`` matched, with nothing posted."""
-    t = Transfer("req-1", ReadyKv(tid, (1, 2), 20, "d0"), fence)
+    t = Transfer("req-1", ReadyKv(tid, one((1, 2)), 20, "d0"), fence)
     m = matched(tid, deadline)
     t.match(m, block_size=16, num_layers=2, targets=(WHOLE,), not_before=not_before)
     return t

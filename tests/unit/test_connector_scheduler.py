@@ -29,6 +29,7 @@ from kvpush.connector.metadata import (
     RecvExpect,
 )
 from kvpush.connector.prefill.scheduler import PrefillScheduler
+from kvpush.transfer.groups import of, one
 from kvpush.transfer.messages import (
     Cancel,
     Cause,
@@ -491,7 +492,7 @@ def trigger_for(req: FakeRequest, blocks: tuple[int, ...]) -> PushTrigger:
     return PushTrigger(
         req_id=req.request_id,
         transfer_id="t2",
-        src_block_ids=blocks,
+        src_block_ids=one(blocks),
         num_tokens=req.num_prompt_tokens,
         decode_engine_id="d0",
     )
@@ -512,6 +513,26 @@ def test_push_is_triggered_in_the_step_computing_the_last_prompt_token(prefill):
 
     after = run_step(prefill, req, 1, cached(req, [7]))  # first output token
     assert after.triggers == [], "triggered once"
+
+
+def test_prefill_tracks_one_list_per_group_and_triggers_each(prefill):
+    """vLLM's tables per KV-cache group (two here): each is followed as
+    vLLM extends it, and the trigger carries every group's blocks."""
+    req = FakeRequest("r2", PREFILL_PARAMS)
+    admit(prefill, req)
+    out = SchedulerOutput(scheduled_new_reqs=[NewReq("r2", ([1, 2], [21, 22]), 0)])
+    run_step(prefill, req, 256, out)
+    more = SchedulerOutput(
+        scheduled_cached_reqs=CachedReqs(
+            req_ids=["r2"],
+            new_block_ids=[([3, 4, 5], [23, 24, 25])],
+            resumed_req_ids=set(),
+        )
+    )
+
+    (trigger,) = run_step(prefill, req, PROMPT - 256, more).triggers
+
+    assert trigger.src_block_ids == of([[1, 2, 3, 4, 5], [21, 22, 23, 24, 25]])
 
 
 def test_a_prompt_computed_in_one_step_triggers_in_that_step(prefill):

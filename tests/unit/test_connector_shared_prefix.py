@@ -25,6 +25,7 @@ from kvpush.connector.metadata import PrefillMetadata
 from kvpush.connector.prefill.fence import LayerFences
 from kvpush.connector.prefill.scheduler import PrefillScheduler
 from kvpush.connector.prefill.worker import PrefillWorker
+from kvpush.transfer.groups import flat, one
 from kvpush.transfer.messages import PrefillLeg
 from tests.unit.test_connector_layer_sides import NAME_0, worker_for
 from tests.unit.test_connector_scheduler import (
@@ -71,10 +72,10 @@ def one_step_sharing_a_prefix(granularity: str) -> PrefillMetadata:
 def counted_written(writer: RecordingWriter) -> set[tuple[str, int]]:
     """(transfer, source block) the writer may send now: chunks marked
     computed, and the written layers of chunks handed over per layer."""
-    done = {(r.transfer_id, b) for r in writer.computed for b in r.src_block_ids}
+    done = {(r.transfer_id, b) for r in writer.computed for b in flat(r.src_block_ids)}
     for ready, _, fence in writer.ready:
         if isinstance(fence, LayerFences) and fence.num_ready() > 0:
-            done |= {(ready.transfer_id, b) for b in ready.src_block_ids}
+            done |= {(ready.transfer_id, b) for b in flat(ready.src_block_ids)}
     return done
 
 
@@ -102,7 +103,7 @@ def test_b_hit_blocks_are_part_of_its_first_chunk_not_a_trigger_of_their_own():
     meta = one_step_sharing_a_prefix("chunk")
     b = [t for t in meta.triggers if t.transfer_id == "tb"]
     assert [(t.first_block, t.src_block_ids, t.final) for t in b] == [
-        (0, (*SHARED, 6, 7), False)
+        (0, one((*SHARED, 6, 7)), False)
     ]
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from kvpush.connector.metadata import PreemptedPush, PushesOver, PushTrigger
 from kvpush.connector.prefill.scheduler import PrefillScheduler
+from kvpush.transfer.groups import one
 from tests.fakes.fake_nixl import leftovers
 from tests.unit.test_connector_scheduler import (
     PREFILL_PARAMS,
@@ -48,7 +49,7 @@ def chunk(
     return PushTrigger(
         req_id="r2",
         transfer_id="t2",
-        src_block_ids=blocks,
+        src_block_ids=one(blocks),
         num_tokens=600,
         decode_engine_id="d0",
         first_block=first,

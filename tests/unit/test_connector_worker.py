@@ -33,6 +33,7 @@ from kvpush.connector.metadata import (
 )
 from kvpush.connector.prefill.fence import NoFence
 from kvpush.connector.prefill.worker import PrefillWorker
+from kvpush.transfer.groups import one
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import (
@@ -588,7 +589,7 @@ def trigger(req_id: str = "r1", tid: str = "t1") -> PushTrigger:
     return PushTrigger(
         req_id=req_id,
         transfer_id=tid,
-        src_block_ids=(7, 8, 9),
+        src_block_ids=one((7, 8, 9)),
         num_tokens=40,
         decode_engine_id="d0",
     )
@@ -602,7 +603,7 @@ def test_prefill_hands_triggered_kv_to_the_writer_after_the_forward(prefill):
     worker.wait_for_save()
 
     ((ready, req_id, fence),) = writer.ready
-    assert ready == ReadyKv("t1", (7, 8, 9), 40, "d0")
+    assert ready == ReadyKv("t1", one((7, 8, 9)), 40, "d0")
     assert req_id == "r1"
     assert isinstance(fence, NoFence), "the CPU forward is synchronous"
     assert writer.cancelled == ["t9"]
@@ -618,7 +619,7 @@ def test_prefill_hands_a_late_bound_kv_to_the_writer_with_its_digest(prefill):
     worker.wait_for_save()
 
     ((ready, _, _),) = writer.ready
-    assert ready == ReadyKv("t1", (7, 8, 9), 40, None, claim_sha256=digest)
+    assert ready == ReadyKv("t1", one((7, 8, 9)), 40, None, claim_sha256=digest)
     assert ready.is_late
 
 

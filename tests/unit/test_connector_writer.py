@@ -26,6 +26,7 @@ from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.coalesce import Desc
 from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy
+from kvpush.transfer.groups import one
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import (
@@ -210,7 +211,7 @@ class Rig:
     ) -> None:
         kv = ReadyKv(
             transfer_id=tid,
-            src_block_ids=src,
+            src_block_ids=one(src),
             num_tokens=num_tokens,
             decode_engine_id=DECODE,
         )

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpush.connector.prefill.fence import NoFence
+from kvpush.transfer.groups import one
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import (
     Cancel,
@@ -65,7 +66,7 @@ class LateRig(Rig):
         self, src: tuple[int, ...] = (4, 5, 6, 9), first: int = 0, final: bool = True
     ) -> None:
         kv = ReadyKv(
-            "t1", src, 60, None, first_block=first, final=final,
+            "t1", one(src), 60, None, first_block=first, final=final,
             claim_sha256=claim_digest(TOKEN),
         )  # fmt: skip
         self.writer.kv_ready(kv, "req-1", NoFence())

@@ -30,6 +30,7 @@ from kvpush.connector.prefill.fence import (
     LayerFences,
     ReadyFence,
 )
+from kvpush.transfer.groups import one
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import Cause, Done, Failure, claim_digest
 from tests.fakes.fake_nixl import wait_for
@@ -66,7 +67,7 @@ def chunk(
     """A chunk of prompt blocks ``first..`` (prefill's ``src``), written
     once ``fence`` says so (a :class:`LayerFences`: layer by layer)."""
     kv = ReadyKv(
-        "t1", src, 60, None if claim else DECODE, first_block=first, final=final,
+        "t1", one(src), 60, None if claim else DECODE, first_block=first, final=final,
         claim_sha256=claim_digest(TOKEN) if claim else None,
     )  # fmt: skip
     rig.writer.kv_ready(kv, "req-1", fence)

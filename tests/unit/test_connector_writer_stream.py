@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpush.connector.prefill.fence import NoFence
+from kvpush.transfer.groups import one
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import Done
 from tests.fakes.fake_nixl import WriteRecord, wait_for
@@ -47,7 +48,7 @@ def chunk(
 ) -> None:
     """The forward of one prefill chunk completed prompt blocks
     ``first..first+len(src)-1`` (in prefill's blocks ``src``)."""
-    kv = ReadyKv(tid, src, 60, DECODE, first_block=first, final=final)
+    kv = ReadyKv(tid, one(src), 60, DECODE, first_block=first, final=final)
     rig.writer.kv_ready(kv, "req-1", fence or NoFence())  # type: ignore[arg-type]
 
 

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpush.transfer.groups import one
 from kvpush.transfer.matcher import (
     PREFILL_CLAIM_PREFIX,
     Matched,
@@ -45,7 +46,7 @@ def reg(
 
 
 def late(token: str = DRAWN, tid: str = "t1") -> ReadyKv:
-    return ReadyKv(tid, (1, 2, 3), 40, None, claim_sha256=claim_digest(token))
+    return ReadyKv(tid, one((1, 2, 3)), 40, None, claim_sha256=claim_digest(token))
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvpush.transfer.groups import one
 from kvpush.transfer.matcher import (
     Dropped,
     Matched,
@@ -49,11 +50,11 @@ def reg(engine: str = "d1", token: str | None = TOKEN, tid: str = "t1") -> Regis
 
 
 def late(tid: str = "t1", digest: str = DIGEST) -> ReadyKv:
-    return ReadyKv(tid, (1, 2, 3), 40, None, claim_sha256=digest)
+    return ReadyKv(tid, one((1, 2, 3)), 40, None, claim_sha256=digest)
 
 
 def early(engine: str = "d0") -> ReadyKv:
-    return ReadyKv("t1", (1, 2, 3), 40, engine)
+    return ReadyKv("t1", one((1, 2, 3)), 40, engine)
 
 
 @pytest.fixture
@@ -152,7 +153,10 @@ def test_a_late_ready_kv_matches_the_right_token_from_any_decode(
     assert isinstance(m.add_ready(late(), 0.0), Pending)
     result = m.add_registration(reg(engine), 1.0)
     assert isinstance(result, Matched)
-    assert (result.src_block_ids, result.dst_block_ids) == ((1, 2, 3), (10, 11, 12))
+    assert (result.src_block_ids, result.dst_block_ids) == (
+        one((1, 2, 3)),
+        one((10, 11, 12)),
+    )
     assert m.registered_by("t1") == engine
     assert len(m) == 0
 
@@ -236,8 +240,8 @@ def test_an_unclaimed_late_ready_kv_expires_at_the_ready_deadline(m: Matcher) ->
 @pytest.mark.parametrize(
     "ready",
     [
-        ReadyKv("t1", (1, 2, 3), 40, None),
-        ReadyKv("t1", (1, 2, 3), 40, "d0", claim_sha256=DIGEST),
+        ReadyKv("t1", one((1, 2, 3)), 40, None),
+        ReadyKv("t1", one((1, 2, 3)), 40, "d0", claim_sha256=DIGEST),
     ],
 )
 def test_a_ready_kv_names_a_decode_or_a_digest_not_both(

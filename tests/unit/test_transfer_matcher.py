@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpush.transfer.groups import of, one
 from kvpush.transfer.matcher import (
     Dropped,
     Matched,
@@ -46,7 +47,7 @@ def ready(
     num_tokens: int = 40,
     engine: str = "d0",
 ) -> ReadyKv:
-    return ReadyKv(tid, src, num_tokens, engine)
+    return ReadyKv(tid, one(src), num_tokens, engine)
 
 
 @pytest.fixture
@@ -66,8 +67,8 @@ def test_either_order_pairs_the_blocks(m: Matcher, registration_first: bool) -> 
     assert m.is_pending("t1") and len(m) == 1
     result = second()
     assert isinstance(result, Matched)
-    assert result.src_block_ids == (1, 2, 3)
-    assert result.dst_block_ids == (10, 11, 12)
+    assert result.src_block_ids == one((1, 2, 3))
+    assert result.dst_block_ids == one((10, 11, 12))
     assert (result.registration, result.ready) == (r, k)
     # Never post after decode's reservation ends: its arrival + ttl - margin.
     arrival = 100.0 if registration_first else 105.0
@@ -80,14 +81,14 @@ def test_prefix_hit_pairs_only_the_blocks_decode_lacks(m: Matcher) -> None:
     m.add_ready(ready(src=(50, 51, 52, 53, 54), num_tokens=70), 0.0)
     result = m.add_registration(reg(dst=(7, 8, 9), num_tokens=70, first_block=2), 1.0)
     assert isinstance(result, Matched)
-    assert result.src_block_ids == (52, 53, 54)
-    assert result.dst_block_ids == (7, 8, 9)
+    assert result.src_block_ids == one((52, 53, 54))
+    assert result.dst_block_ids == one((7, 8, 9))
 
 
 def test_extra_trailing_source_blocks_are_ignored(m: Matcher) -> None:
     m.add_registration(reg(), 0.0)
     result = m.add_ready(ready(src=(1, 2, 3, 4)), 1.0)
-    assert isinstance(result, Matched) and result.src_block_ids == (1, 2, 3)
+    assert isinstance(result, Matched) and result.src_block_ids == one((1, 2, 3))
 
 
 @pytest.mark.parametrize("side", ["registration", "ready"])
@@ -106,7 +107,10 @@ def test_a_pending_duplicate_changes_nothing(m: Matcher, side: str) -> None:
         else m.add_registration(reg(), 2.0)
     )
     assert isinstance(result, Matched)
-    assert (result.src_block_ids, result.dst_block_ids) == ((1, 2, 3), (10, 11, 12))
+    assert (result.src_block_ids, result.dst_block_ids) == (
+        one((1, 2, 3)),
+        one((10, 11, 12)),
+    )
 
 
 def test_a_duplicate_after_the_match_is_not_a_failure(m: Matcher) -> None:
@@ -221,6 +225,8 @@ def test_cancel_after_the_match_leaves_it_to_the_writer(m: Matcher) -> None:
     [
         (reg(num_tokens=41), ready(num_tokens=40), "tokens"),  # 41 still 3 blocks
         (reg(engine="d9"), ready(), "'d9'"),
+        # A registration names one KV-cache group (until it carries each).
+        (reg(), ReadyKv("t1", of([[1, 2, 3], [4, 5, 6]]), 40, "d0"), "one KV-cache"),
     ],
 )
 @pytest.mark.parametrize("registration_first", [True, False])
@@ -262,7 +268,15 @@ def test_an_inconsistent_registration_is_invalid(m: Matcher, bad: Registration) 
 
 
 @pytest.mark.parametrize(
-    "bad", [ready(src=(1, 2)), ready(src=(1, 1, 2)), ready(num_tokens=0)]
+    "bad",
+    [
+        ready(src=(1, 2)),
+        ready(src=(1, 1, 2)),
+        ready(num_tokens=0),
+        ReadyKv("t1", of([[1, 2, 3], [4, 5]]), 40, "d0"),  # short in one group
+        ReadyKv("t1", of([[1, 2, 3], [4, 5, 1]]), 40, "d0"),  # an id in two
+        ReadyKv("t1", (), 40, "d0"),  # no group
+    ],
 )
 def test_inconsistent_ready_kv_is_invalid(m: Matcher, bad: ReadyKv) -> None:
     result = m.add_ready(bad, 0.0)

@@ -69,6 +69,7 @@ from kvpush.connector.prefill.transfer import (
 )
 from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
+from kvpush.transfer import groups
 from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy, digest, source_ranges
 from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout
@@ -398,7 +399,7 @@ class Pipeline:
             self._counters.add("rejected.out_of_range")
             self._close(transfer, Cause.REJECTED, problem or "no peer")
             return
-        num_posted, total, problem = 0, len(m.dst_block_ids), None
+        num_posted, total, problem = 0, groups.total(m.dst_block_ids), None
         try:
             for peer, head_slice in peers:
                 digest = self._digest(transfer, write.notify, peer.layout, head_slice)

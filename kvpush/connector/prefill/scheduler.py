@@ -66,6 +66,7 @@ from kvpush.connector.prefill.pipeline import WRITE_TIMEOUT_S
 from kvpush.connector.trace import Tracer
 from kvpush.connector.vllm_params import VllmPrefill
 from kvpush.side_channel_auth import is_wildcard
+from kvpush.transfer import groups
 from kvpush.transfer.messages import PrefillLeg
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class _Prefill:
 
     request: Any
     leg: PrefillLeg
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     triggered: bool = False  # a first chunk went to the worker
     num_sent: int = 0  # prompt blocks handed to the worker
     final_sent: bool = False  # the last chunk went to the worker
@@ -159,17 +160,18 @@ class PrefillScheduler:
         for new in out.scheduled_new_reqs:
             state = self._prefills.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(g) for g in new.block_ids]
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self._prefills.get(rid)
             new_ids = cached.new_block_ids[i]
             if state is None or new_ids is None:
                 continue
-            if rid in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0])
+            if rid in cached.resumed_req_ids or not state.block_ids:
+                state.block_ids = [list(g) for g in new_ids]
             else:
-                state.block_ids.extend(new_ids[0])
+                for ids, more in zip(state.block_ids, new_ids, strict=True):
+                    ids.extend(more)
 
     def _find_last_chunks(self, num_scheduled: dict[str, int]) -> None:
         """Trigger the blocks this step completes, of each prefill request
@@ -195,9 +197,9 @@ class PrefillScheduler:
         if end <= start:
             return
         state.triggered, state.num_sent, state.final_sent = True, end, final
-        src_block_ids = tuple(state.block_ids[start:end])
+        src_block_ids = groups.span(groups.of(state.block_ids), start, end)
         if not state.push_over:  # else no rank writes it: dropped as an orphan
-            self._pin(state.request.request_id, src_block_ids)
+            self._pin(state.request.request_id, groups.flat(src_block_ids))
         self._meta.triggers.append(
             PushTrigger(
                 req_id=state.request.request_id,

@@ -93,7 +93,8 @@ class Stream:
         self.targets: tuple[HeadSlice, ...] = ()  # what goes to which decode rank
         self.done_ranks: set[int] = set()  # targets whose Done WRITE completed
         self.not_before = 0.0  # fault injection: no WRITE before (from the match)
-        self._src: list[int] = []
+        self._src: list[list[int]] = []  # per KV-cache group: the blocks known
+        self._known = 0  # prompt blocks known (each group's length)
         self._chunks: list[tuple[int, ReadyFence]] = []  # (blocks known, fence)
         self._num_whole = 0  # leading chunks whose every layer is written
         self._num_blocks = 0  # prompt blocks; known at the match
@@ -107,14 +108,24 @@ class Stream:
         Returns what is wrong with it (the stream is then unchanged)."""
         if self.final:
             return "a chunk after the final one"
-        if chunk.first_block != len(self._src):
-            return f"chunk starts at block {chunk.first_block}, not {len(self._src)}"
+        if chunk.first_block != self._known:
+            return f"chunk starts at block {chunk.first_block}, not {self._known}"
         if chunk.num_tokens != self.num_tokens:
             return f"chunk of a {chunk.num_tokens}-token prompt, not {self.num_tokens}"
-        if set(chunk.src_block_ids) & set(self._src):
+        new = chunk.src_block_ids
+        if self._src and len(new) != len(self._src):
+            return f"a chunk of {len(new)} KV-cache groups, not {len(self._src)}"
+        lengths = {len(g) for g in new}
+        if len(lengths) != 1:
+            return f"a chunk's groups hold unequal block counts {sorted(lengths)}"
+        if groups.distinct_problem(groups.of([*self._src, *new])) is not None:
             return "source block ids repeat"
-        self._src.extend(chunk.src_block_ids)
-        self._chunks.append((len(self._src), fence))
+        if not self._src:
+            self._src = [[] for _ in new]
+        for ids, more in zip(self._src, new, strict=True):
+            ids.extend(more)
+        self._known += lengths.pop()
+        self._chunks.append((self._known, fence))
         self.final = chunk.final
         return None
 
@@ -167,7 +178,7 @@ class Stream:
         """Something known to post, whether or not its fence completed."""
         if not self.is_open:
             return False
-        return bool(self._spans([self._end(len(self._src))] * self._num_layers))
+        return bool(self._spans([self._end(self._known)] * self._num_layers))
 
     def waits_on_device(self) -> bool:
         """Whether the first chunk not yet written waits on device work (the
@@ -189,7 +200,7 @@ class Stream:
             return None
         done = self._completes(spans)
         first = self.matched.registration.first_block
-        src, dst = groups.one(self._src), groups.one(self.matched.dst_block_ids)
+        src, dst = self._src, self.matched.dst_block_ids
         items = tuple(
             WorkItem(
                 self.transfer_id,
@@ -218,8 +229,8 @@ class Stream:
         if self.matched is None:
             return (), ()
         first = self.matched.registration.first_block
-        src, dst = groups.one(self._src), groups.one(self.matched.dst_block_ids)
-        return groups.aligned(src, dst, first, self._num_blocks, first)
+        dst = self.matched.dst_block_ids
+        return groups.aligned(self._src, dst, first, self._num_blocks, first)
 
     def item_ended(self) -> None:
         self.in_flight -= 1
@@ -261,7 +272,7 @@ class Stream:
         prompt: trailing blocks of a whole push are ignored)."""
         if self.matched is None:
             return 0
-        if known >= len(self._src) and self.final:
+        if known >= self._known and self.final:
             return self._num_blocks
         return min(known, self._num_blocks)
 

@@ -49,6 +49,7 @@ from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.side_channel import Listener
 from kvpush.connector.trace import Tracer
+from kvpush.transfer import groups
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import Message
 
@@ -139,7 +140,8 @@ class PrefillWorker:
         if layout is None or not self.config.may_push_per_layer:
             return False
         layer_bytes = layout.block_bytes * layout.regions_per_layer
-        return self.config.pushes_per_layer(len(trigger.src_block_ids) * layer_bytes)
+        num_blocks = groups.total(trigger.src_block_ids)
+        return self.config.pushes_per_layer(num_blocks * layer_bytes)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Right after ``layer_name``'s attention wrote this forward's KV

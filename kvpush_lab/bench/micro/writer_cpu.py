@@ -28,6 +28,7 @@ from kvpush.connector.prefill.fence import NoFence
 from kvpush.connector.prefill.pipeline import WriterConfig
 from kvpush.connector.prefill.writer import Writer
 from kvpush.connector.trace import Tracer
+from kvpush.transfer.groups import one
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import MatcherConfig, ReadyKv
 from kvpush.transfer.messages import Hello, HelloReply, Message, Registration
@@ -212,5 +213,5 @@ def _register(writer: Writer, tid: str, i: int) -> None:
 
 
 def _ready(writer: Writer, tid: str, i: int) -> None:
-    kv = ReadyKv(tid, _blocks(i), BLOCKS_PER_TRANSFER * BLOCK_SIZE, DECODE)
+    kv = ReadyKv(tid, one(_blocks(i)), BLOCKS_PER_TRANSFER * BLOCK_SIZE, DECODE)
     writer.kv_ready(kv, f"req-{tid}", NoFence())
