@@ -57,14 +57,15 @@ class PreemptedPush:
 @dataclass(frozen=True)
 class RecvExpect:
     """Decode: ``req_id`` waits for transfer ``transfer_id`` into
-    ``dst_block_ids``, pushed by the prefill at ``prefill_host:port`` (its
+    ``dst_block_ids`` (one list per KV-cache group), pushed by the prefill
+    at ``prefill_host:port`` (its
     rank 0's side channel) running with TP ``prefill_tp``: every decode
     worker rank takes the same expect and waits on the prefill ranks it
     receives from (:meth:`~kvpush.transfer.ranks.TpPair.sources_of`)."""
 
     req_id: str
     transfer_id: str
-    dst_block_ids: tuple[int, ...]
+    dst_block_ids: GroupBlocks
     prefill_engine_id: str
     prefill_host: str
     prefill_port: int

@@ -49,7 +49,7 @@ def distinct_problem(groups: GroupBlocks) -> str | None:
     one group or two: the groups share one pool), or None."""
     ids = flat(groups)
     if len(set(ids)) != len(ids):
-        return "a block id appears twice among the groups' block lists"
+        return "a block id repeats among the groups' block lists"
     return None
 
 

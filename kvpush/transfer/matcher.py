@@ -240,9 +240,7 @@ class Matcher:
     def add_registration(self, reg: Registration, now: float) -> AddResult:
         """Decode's half arrived. ``reg`` was already decoded and validated."""
         tid = reg.transfer_id
-        problem = self._self_problem(
-            reg.num_tokens, reg.first_block, len(reg.dst_block_ids)
-        )
+        problem = self._self_problem(reg.num_tokens, reg.first_block, reg.num_blocks)
         if reg.ttl_s <= self.config.post_margin_s:
             problem = problem or (
                 f"ttl_s {reg.ttl_s} does not exceed post_margin_s "
@@ -420,7 +418,7 @@ class Matcher:
             registration=reg,
             ready=ready,
             src_block_ids=groups.span(ready.src_block_ids, reg.first_block, n),
-            dst_block_ids=groups.one(reg.dst_block_ids),
+            dst_block_ids=reg.dst_block_ids,
             post_deadline=reg_held.deadline,
         )
 
@@ -449,10 +447,10 @@ class Matcher:
                 f"decode expects {reg.num_tokens} tokens, "
                 f"prefill has {ready.num_tokens}"
             )
-        if len(ready.src_block_ids) != 1:  # a registration names one group
+        if len(ready.src_block_ids) != len(reg.dst_block_ids):
             return (
-                f"decode registered one KV-cache group, prefill has "
-                f"{len(ready.src_block_ids)}"
+                f"decode registered {len(reg.dst_block_ids)} KV-cache groups, "
+                f"prefill has {len(ready.src_block_ids)}"
             )
         return None
 

@@ -51,6 +51,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvpush.transfer import groups
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.ranks import MAX_TP_SIZE
 
@@ -62,10 +63,12 @@ from kvpush.transfer.ranks import MAX_TP_SIZE
 # 7: KV digests (a Done may carry the digest of the bytes its rank wrote;
 # Cause digest_mismatch, decode's own verdict)
 # 8: FirstToken (prefill tells an early-bound decode the token it sampled)
-PROTOCOL_VERSION = 8
+# 9: a Registration names one block list per KV-cache group
+PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_METADATA_BYTES = 2 * 1024 * 1024
 MAX_BLOCKS_PER_MESSAGE = 262_144
+MAX_GROUPS = 64  # KV-cache groups of one model
 MAX_IDS_PER_MESSAGE = 4096  # transfer ids in one Reconcile (~0.5 MiB at most)
 MAX_TTL_S = 3600.0
 
@@ -95,6 +98,10 @@ KvHeads = Annotated[int, msgspec.Meta(ge=0, le=2**16)]  # 0: not known
 BlockIds = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=0, lt=2**31)], ...],
     msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
+]
+GroupBlockIds = Annotated[  # one list per KV-cache group
+    tuple[Annotated[BlockIds, msgspec.Meta(min_length=1)], ...],
+    msgspec.Meta(min_length=1, max_length=MAX_GROUPS),
 ]
 
 
@@ -187,11 +194,13 @@ class HelloRequest(msgspec.Struct, frozen=True, tag="hello_request"):
 class Registration(msgspec.Struct, frozen=True, tag="registration"):
     """Decode → prefill: "write transfer ``transfer_id`` into these blocks".
 
-    ``dst_block_ids[i]`` receives prompt block ``first_block + i``. Decode
+    ``dst_block_ids`` holds one list per KV-cache group, all of one length
+    (:mod:`kvpush.transfer.groups`): ``dst_block_ids[g][i]`` receives
+    prompt block ``first_block + i`` of group ``g``. Decode
     skips the first ``first_block`` blocks because its prefix cache already
     holds them (vLLM's hits are whole blocks); 0 when nothing is cached.
     ``num_tokens`` is the prompt length decode expects, so
-    ``first_block + len(dst_block_ids) == ceil(num_tokens / block_size)``.
+    ``first_block + len(dst_block_ids[g]) == ceil(num_tokens / block_size)``.
     ``ttl_s`` is how long decode waits before it asks for prefill's final
     word, counted from sending; relative because the two clocks are not
     synchronised. Prefill posts no WRITE after arrival + ``ttl_s`` − its
@@ -212,7 +221,7 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     transfer_id: TransferId
     decode_engine_id: Name
     decode_boot_id: Name
-    dst_block_ids: Annotated[BlockIds, msgspec.Meta(min_length=1)]
+    dst_block_ids: GroupBlockIds
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
     first_block: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -220,8 +229,21 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     decode_tp: TpSize = 1
 
     def __post_init__(self) -> None:
-        if len(set(self.dst_block_ids)) != len(self.dst_block_ids):
-            raise ValueError("dst_block_ids must not repeat a block id")
+        lengths = {len(g) for g in self.dst_block_ids}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"dst_block_ids needs groups of one length, not {sorted(lengths)}"
+            )
+        if groups.total(self.dst_block_ids) > MAX_BLOCKS_PER_MESSAGE:
+            raise ValueError(f"more than {MAX_BLOCKS_PER_MESSAGE} block ids")
+        problem = groups.distinct_problem(self.dst_block_ids)
+        if problem is not None:
+            raise ValueError(f"dst_block_ids: {problem}")
+
+    @property
+    def num_blocks(self) -> int:
+        """Prompt blocks registered (each group's length)."""
+        return len(self.dst_block_ids[0]) if self.dst_block_ids else 0
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):

@@ -375,7 +375,7 @@ def garbage_messages() -> list[list[bytes]]:
         transfer_id="evil-1",
         decode_engine_id="evil",
         decode_boot_id="evil-boot",
-        dst_block_ids=(2**31 - 1,),
+        dst_block_ids=((2**31 - 1,),),
         num_tokens=16,
         ttl_s=1.5,
     )

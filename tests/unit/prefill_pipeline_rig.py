@@ -232,7 +232,7 @@ class PipelineRig:
             transfer_id=tid,
             decode_engine_id=engine,
             decode_boot_id=boot,
-            dst_block_ids=dst,
+            dst_block_ids=one(dst),
             num_tokens=60,
             ttl_s=ttl_s,
             first_block=first_block,

@@ -164,10 +164,10 @@ def test_each_leg_is_served_by_its_side_in_one_step() -> None:
         PushTrigger("pre", "t2", one((1, 2, 3, 4, 5)), PROMPT, "d0")
     ]
     assert meta.decode.expects == [
-        RecvExpect("dec", "t1", (6, 7, 8, 9, 10), "p0", "127.0.0.1", 5600)
+        RecvExpect("dec", "t1", one((6, 7, 8, 9, 10)), "p0", "127.0.0.1", 5600)
     ]
     (reg,) = peers.messages(Registration)
-    assert (reg.transfer_id, reg.dst_block_ids) == ("t1", (6, 7, 8, 9, 10))
+    assert (reg.transfer_id, reg.dst_block_ids) == ("t1", one((6, 7, 8, 9, 10)))
 
 
 def test_finished_requests_are_released_by_the_side_that_held_them() -> None:

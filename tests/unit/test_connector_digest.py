@@ -84,7 +84,7 @@ def decode_side(
 
 
 def expect(tid: str = "t1", req_id: str = "req-1", prefill_tp: int = 1) -> RecvExpect:
-    return RecvExpect(req_id, tid, DST, "p0", *PREFILL_ADDR, prefill_tp=prefill_tp)
+    return RecvExpect(req_id, tid, one(DST), "p0", *PREFILL_ADDR, prefill_tp=prefill_tp)
 
 
 def receive(d: Decode, tid: str = "t1", req_id: str = "req-1", tp: int = 1) -> set[str]:

@@ -26,7 +26,7 @@ WHOLE = HeadSlice(HeadShare(1, 0, 1), HeadShare(1, 0, 1), 0, 1)
 
 
 def matched(tid: str = "t1", deadline: float = 10.0) -> Matched:
-    reg = Registration(tid, "d0", "boot-1", (5, 6), num_tokens=20, ttl_s=10.0)
+    reg = Registration(tid, "d0", "boot-1", one((5, 6)), num_tokens=20, ttl_s=10.0)
     ready = ReadyKv(tid, one((1, 2)), 20, "d0")
     return Matched(tid, reg, ready, one((1, 2)), one((5, 6)), post_deadline=deadline)
 

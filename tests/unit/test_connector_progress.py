@@ -13,6 +13,7 @@ from kvpush.connector.counters import Counters
 from kvpush.connector.decode.progress import POLL_S, Progress
 from kvpush.connector.decode.worker import DecodeWorker
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
+from kvpush.transfer.groups import one
 from kvpush.transfer.messages import Done, encode
 from tests.fakes.fake_nixl import FakeNixlIO, FakePeers, wait_for
 from tests.unit.test_connector_worker import (
@@ -107,7 +108,7 @@ def test_the_worker_receives_a_done_the_thread_read_between_two_steps():
     worker._progress = Progress(io, worker.counters)
     worker._progress.want(True)  # as bind() says once it expects
     try:
-        expect = RecvExpect("r1", "t1", (3, 4, 5), "p0", "10.250.0.2", 5600)
+        expect = RecvExpect("r1", "t1", one((3, 4, 5)), "p0", "10.250.0.2", 5600)
         worker.bind(DecodeMetadata(expects=[expect]))
         assert worker.get_finished() == set()
 
@@ -165,7 +166,7 @@ def test_the_worker_polls_exactly_while_a_receive_is_pending():
         assert worker.get_finished() == set()
         assert progress.wanted == [False, False], "idle: no polling"
 
-        expect = RecvExpect("r1", "t1", (3, 4, 5), "p0", "10.250.0.2", 5600)
+        expect = RecvExpect("r1", "t1", one((3, 4, 5)), "p0", "10.250.0.2", 5600)
         worker.bind(DecodeMetadata(expects=[expect]))
         assert progress.wanted[-1] is True
         assert worker.get_finished() == set()

@@ -20,6 +20,7 @@ import pytest
 from kvpush.connector.decode import worker as worker_module
 from kvpush.connector.decode.worker import DecodeWorker
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
+from kvpush.transfer.groups import one
 from kvpush.transfer.messages import (
     Cause,
     Done,
@@ -80,7 +81,7 @@ class Link:
 
     def register(self, tid: str) -> None:
         """Decode's scheduler registers ``tid`` with prefill."""
-        reg = Registration(tid, "d0", "b0", DST[tid], num_tokens=60, ttl_s=TTL_S)
+        reg = Registration(tid, "d0", "b0", one(DST[tid]), num_tokens=60, ttl_s=TTL_S)
         self.rig.writer.on_message(self.scheduler_route, reg)
 
     def carry(self) -> DecodeMetadata:
@@ -137,7 +138,7 @@ def link(monkeypatch: pytest.MonkeyPatch) -> Iterator[Link]:
 def expect(link: Link, tid: str, req_id: str) -> None:
     """Decode's scheduler registered ``tid``; its worker expects it."""
     link.register(tid)
-    recv = RecvExpect(req_id, tid, DST[tid], "p0", *REMOTE)
+    recv = RecvExpect(req_id, tid, one(DST[tid]), "p0", *REMOTE)
     link.worker.bind(DecodeMetadata(expects=[recv]))
 
 
@@ -182,7 +183,7 @@ def test_a_receive_prefill_never_heard_of_is_settled_by_the_reconcile(link):
     refuses the Registration if it comes."""
     link.step()
     link.step()
-    recv = RecvExpect("r1", "t1", DST["t1"], "p0", *REMOTE)
+    recv = RecvExpect("r1", "t1", one(DST["t1"]), "p0", *REMOTE)
     link.worker.bind(DecodeMetadata(expects=[recv]))  # registration lost
     link.cut()
     link.heal()
@@ -277,7 +278,7 @@ def test_a_done_that_answers_a_reconcile_is_traced_as_the_notification(link):
     link.worker.tracer.mark = recording  # type: ignore[method-assign]
     link.step()
     link.step()
-    recv = RecvExpect("r1", "t1", DST["t1"], "p0", *REMOTE)
+    recv = RecvExpect("r1", "t1", one(DST["t1"]), "p0", *REMOTE)
     link.worker.bind(DecodeMetadata(expects=[recv]))  # (prefill's side aside)
     link.peers.queue_reply(Done("t1", "p0", num_blocks=4), REMOTE)
 
@@ -298,7 +299,7 @@ def test_a_reconnect_read_with_the_next_registration_leaves_it_alone(link):
     link.step()
     link.cut()
     link.heal()  # both read at the next step
-    recv = RecvExpect("r1", "t1", DST["t1"], "p0", *REMOTE)
+    recv = RecvExpect("r1", "t1", one(DST["t1"]), "p0", *REMOTE)
     link.worker.bind(DecodeMetadata(expects=[recv]))  # its Registration: later
     for _ in range(3):  # Hello, HelloReply
         assert link.step() == set()

@@ -171,7 +171,7 @@ def test_allocation_registers_the_blocks_after_the_local_hit(decode):
                 transfer_id="t1",
                 decode_engine_id="d0",
                 decode_boot_id=sched.config.boot_id,
-                dst_block_ids=(1, 2, 3),  # prompt blocks 2..4; 9 is past it
+                dst_block_ids=one((1, 2, 3)),  # prompt blocks 2..4; 9 is past it
                 num_tokens=PROMPT,
                 ttl_s=sched.config.registration_ttl_s,
                 first_block=2,
@@ -183,7 +183,7 @@ def test_allocation_registers_the_blocks_after_the_local_hit(decode):
         RecvExpect(
             req_id="r1",
             transfer_id="t1",
-            dst_block_ids=(1, 2, 3),
+            dst_block_ids=one((1, 2, 3)),
             prefill_engine_id="p0",
             prefill_host=PREFILL_HOST,
             prefill_port=PREFILL_PORT,
@@ -200,7 +200,34 @@ def test_without_a_local_hit_every_prompt_block_is_registered(decode):
     sched.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9]), PROMPT)
 
     (reg,) = peers.messages(Registration)
-    assert (reg.dst_block_ids, reg.first_block) == ((5, 6, 7, 8, 9), 0)
+    assert (reg.dst_block_ids, reg.first_block) == (one((5, 6, 7, 8, 9)), 0)
+
+
+@dataclass
+class GroupedBlocks:
+    """vLLM's ``KVCacheBlocks`` of a model with several KV-cache groups."""
+
+    ids: tuple[list[int], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.ids
+
+
+def test_decode_registers_one_list_per_group_from_first_block(decode):
+    sched, peers = decode
+    req = FakeRequest("r1", DECODE_PARAMS)
+    assert sched.get_num_new_matched_tokens(req, 128) == (PROMPT - 128, True)
+    tables = GroupedBlocks(([5, 6, 7, 8, 9], [15, 16, 17, 18, 19]))
+
+    sched.update_state_after_alloc(req, tables, PROMPT - 128)
+
+    (reg,) = peers.messages(Registration)
+    assert (reg.first_block, reg.dst_block_ids) == (
+        1,
+        of([[6, 7, 8, 9], [16, 17, 18, 19]]),
+    )
+    (expect,) = empty_step(sched).expects
+    assert expect.dst_block_ids == reg.dst_block_ids
 
 
 def test_a_leg_pushing_the_prompts_first_tokens_claims_and_registers_those(decode):
@@ -215,7 +242,11 @@ def test_a_leg_pushing_the_prompts_first_tokens_claims_and_registers_those(decod
     sched.update_state_after_alloc(req, FakeBlocks([7, 1, 2, 3, 9]), 512 - 128)
 
     (reg,) = peers.messages(Registration)
-    assert (reg.num_tokens, reg.first_block, reg.dst_block_ids) == (512, 1, (1, 2, 3))
+    assert (reg.num_tokens, reg.first_block, reg.dst_block_ids) == (
+        512,
+        1,
+        one((1, 2, 3)),
+    )
 
 
 def test_a_leg_claiming_more_tokens_than_the_prompt_is_served_locally(decode):

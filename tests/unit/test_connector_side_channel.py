@@ -19,6 +19,7 @@ import zmq
 from kvpush.connector import side_channel
 from kvpush.connector.counters import Counters
 from kvpush.connector.side_channel import Listener, Peers
+from kvpush.transfer.groups import one
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -46,7 +47,7 @@ def registration(tid: str = "t1") -> Registration:
         transfer_id=tid,
         decode_engine_id="d0",
         decode_boot_id="b0",
-        dst_block_ids=(1, 2),
+        dst_block_ids=one((1, 2)),
         num_tokens=20,
         ttl_s=10.0,
     )

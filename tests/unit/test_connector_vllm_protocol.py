@@ -34,6 +34,7 @@ from kvpush.connector.vllm_params import (
     speaks_vllm,
     transfer_id_of,
 )
+from kvpush.transfer.groups import one
 from kvpush.transfer.matcher import PREFILL_CLAIM_PREFIX, ReadyKv
 from kvpush.transfer.messages import (
     Cancel,
@@ -126,7 +127,7 @@ def test_prefill_draws_claims_of_a_form_no_router_may_use() -> None:
 
     assert claim.startswith(PREFILL_CLAIM_PREFIX)
     assert len(claim) == len(PREFILL_CLAIM_PREFIX) + 43  # token_urlsafe(32)
-    reg = Registration("t1", "d0", "b0", (1,), 16, 10.0, claim_token=claim)
+    reg = Registration("t1", "d0", "b0", one((1,)), 16, 10.0, claim_token=claim)
     assert decode_message(encode(reg)) == reg
 
 

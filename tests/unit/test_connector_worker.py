@@ -183,7 +183,7 @@ def recv_expect(
     return RecvExpect(
         req_id=req_id,
         transfer_id=tid,
-        dst_block_ids=BLOCKS[tid],
+        dst_block_ids=one(BLOCKS[tid]),
         prefill_engine_id="p0",
         prefill_host=address[0],
         prefill_port=address[1],

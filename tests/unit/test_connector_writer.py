@@ -193,7 +193,7 @@ class Rig:
             transfer_id=tid,
             decode_engine_id=DECODE,
             decode_boot_id=boot_id,
-            dst_block_ids=dst,
+            dst_block_ids=one(dst),
             num_tokens=num_tokens,
             ttl_s=ttl_s,
             first_block=first_block,

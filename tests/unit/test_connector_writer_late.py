@@ -81,7 +81,7 @@ class LateRig(Rig):
             transfer_id="t1",
             decode_engine_id=engine,
             decode_boot_id=BOOT,
-            dst_block_ids=(10, 11, 12, 13),
+            dst_block_ids=one((10, 11, 12, 13)),
             num_tokens=60,
             ttl_s=10.0,
             claim_token=token,

@@ -42,7 +42,7 @@ def reg(
     tid: str = "t1",
     dst: tuple[int, ...] = (10, 11, 12),
 ) -> Registration:
-    return Registration(tid, engine, "boot0", dst, 40, 10.0, claim_token=token)
+    return Registration(tid, engine, "boot0", one(dst), 40, 10.0, claim_token=token)
 
 
 def late(token: str = DRAWN, tid: str = "t1") -> ReadyKv:

@@ -31,8 +31,8 @@ def test_a_chunk_of_other_groups_is_refused_and_changes_nothing() -> None:
 def test_writes_pair_every_group_by_prompt_block_from_decodes_first_block() -> None:
     s = Stream("req-1", chunk(0, [[1, 2], [11, 12]]), NO_FENCE)
     s.add(chunk(2, [[3, 4], [13, 14]], final=True), NO_FENCE)
-    reg = Registration("t1", "d0", "boot-1", (7, 8, 9), TOKENS, 10.0, first_block=1)
     dst = of([[7, 8, 9], [17, 18, 19]])
+    reg = Registration("t1", "d0", "boot-1", dst, TOKENS, 10.0, first_block=1)
     s.match(Matched("t1", reg, chunk(0, [[1], [11]]), (), dst, 10.0), 16, 2, (WHOLE,))
     write = s.next_write()
     assert write is not None and write.notify

@@ -46,7 +46,8 @@ OTHER_TOKEN = secrets.token_urlsafe(32)
 
 
 def reg(engine: str = "d1", token: str | None = TOKEN, tid: str = "t1") -> Registration:
-    return Registration(tid, engine, "boot0", (10, 11, 12), 40, 10.0, claim_token=token)
+    dst = one((10, 11, 12))
+    return Registration(tid, engine, "boot0", dst, 40, 10.0, claim_token=token)
 
 
 def late(tid: str = "t1", digest: str = DIGEST) -> ReadyKv:

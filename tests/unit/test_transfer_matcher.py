@@ -38,7 +38,7 @@ def reg(
     ttl_s: float = 10.0,
     engine: str = "d0",
 ) -> Registration:
-    return Registration(tid, engine, "boot0", dst, num_tokens, ttl_s, first_block)
+    return Registration(tid, engine, "boot0", one(dst), num_tokens, ttl_s, first_block)
 
 
 def ready(
@@ -83,6 +83,17 @@ def test_prefix_hit_pairs_only_the_blocks_decode_lacks(m: Matcher) -> None:
     assert isinstance(result, Matched)
     assert result.src_block_ids == one((52, 53, 54))
     assert result.dst_block_ids == one((7, 8, 9))
+
+
+def test_a_match_slices_every_group_from_first_block(m: Matcher) -> None:
+    r = Registration(
+        "t1", "d0", "boot0", of([[7, 8], [17, 18]]), 40, 10.0, first_block=1
+    )
+    m.add_registration(r, 0.0)
+    result = m.add_ready(ReadyKv("t1", of([[1, 2, 3], [11, 12, 13]]), 40, "d0"), 1.0)
+    assert isinstance(result, Matched)
+    assert result.src_block_ids == of([[2, 3], [12, 13]])
+    assert result.dst_block_ids == of([[7, 8], [17, 18]])
 
 
 def test_extra_trailing_source_blocks_are_ignored(m: Matcher) -> None:
@@ -225,8 +236,8 @@ def test_cancel_after_the_match_leaves_it_to_the_writer(m: Matcher) -> None:
     [
         (reg(num_tokens=41), ready(num_tokens=40), "tokens"),  # 41 still 3 blocks
         (reg(engine="d9"), ready(), "'d9'"),
-        # A registration names one KV-cache group (until it carries each).
-        (reg(), ReadyKv("t1", of([[1, 2, 3], [4, 5, 6]]), 40, "d0"), "one KV-cache"),
+        # Decode's vLLM has one KV-cache group, prefill's two.
+        (reg(), ReadyKv("t1", of([[1, 2, 3], [4, 5, 6]]), 40, "d0"), "1 KV-cache"),
     ],
 )
 @pytest.mark.parametrize("registration_first", [True, False])

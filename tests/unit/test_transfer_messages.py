@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpush.transfer.groups import of, one
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.messages import (
     MAX_IDS_PER_MESSAGE,
@@ -43,7 +44,7 @@ REG = Registration(
     transfer_id="kvp-1a2b",
     decode_engine_id="decode0",
     decode_boot_id="1764477284000000000",
-    dst_block_ids=(7, 8, 9),
+    dst_block_ids=one((7, 8, 9)),
     num_tokens=300,
     ttl_s=30.0,
     first_block=1,
@@ -117,9 +118,12 @@ def test_unknown_message_type_is_named() -> None:
         (_raw("1", {"type": "done"}), "malformed envelope"),
         (_raw(PROTOCOL_VERSION, [1, 2]), "malformed message header"),
         (_raw(PROTOCOL_VERSION, {"transfer_id": "t"}), "malformed message header"),
-        (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[1, -2])), ">= 0"),
-        (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[1, 1])), "repeat"),
+        (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[[1, -2]])), ">= 0"),
+        (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[[1, 1]])), "repeat"),
+        (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[[1], [1]])), "repeat"),
+        (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[[1, 2], [3]])), "one length"),
         (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[])), "length >= 1"),
+        (_raw(PROTOCOL_VERSION, _body(REG, dst_block_ids=[[]])), "length >= 1"),
         (_raw(PROTOCOL_VERSION, _body(REG, ttl_s=0)), "ttl_s"),
         (_raw(PROTOCOL_VERSION, _body(REG, transfer_id="a b")), "transfer_id"),
         (_raw(PROTOCOL_VERSION, _body(REG, transfer_id="")), "transfer_id"),
@@ -169,16 +173,26 @@ def test_decode_survives_any_well_formed_msgpack(value: Any) -> None:
 def test_encode_validates_like_the_receiver() -> None:
     # msgspec checks field constraints only when decoding; encode() must
     # catch a bad locally built message before it reaches a peer.
-    bad = Registration("t", "d", "b", (-1,), num_tokens=1, ttl_s=1.0)
+    bad = Registration("t", "d", "b", one((-1,)), num_tokens=1, ttl_s=1.0)
     with pytest.raises(ProtocolError, match=">= 0"):
         encode(bad)
     with pytest.raises(ProtocolError, match="not a kvpush message"):
         encode(LAYOUT)  # type: ignore[arg-type]
 
 
+def test_a_registration_carries_one_list_per_group() -> None:
+    reg = Registration("t", "d", "b", of([[1, 2], [3, 4]]), num_tokens=20, ttl_s=1.0)
+    assert decode(encode(reg)) == reg
+    assert reg.num_blocks == 2
+    with pytest.raises(ValueError, match="one length"):
+        Registration("t", "d", "b", of([[1, 2], [3]]), num_tokens=20, ttl_s=1.0)
+    with pytest.raises(ValueError, match="repeat"):
+        Registration("t", "d", "b", of([[1, 2], [2, 3]]), num_tokens=20, ttl_s=1.0)
+
+
 def test_registration_refuses_repeated_destination_blocks_at_construction() -> None:
     with pytest.raises(ValueError, match="repeat"):
-        Registration("t", "d", "b", (1, 1), num_tokens=20, ttl_s=1.0)
+        Registration("t", "d", "b", one((1, 1)), num_tokens=20, ttl_s=1.0)
 
 
 def test_a_reconcile_is_bounded_and_names_each_transfer_once() -> None:

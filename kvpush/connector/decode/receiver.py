@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 
 from kvpush.connector.counters import Counters
 from kvpush.connector.metadata import RecvExpect
+from kvpush.transfer import groups
 from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy
 from kvpush.transfer.ledger import Hold, Ledger
 from kvpush.transfer.messages import Cause
@@ -206,7 +207,7 @@ class Receiver:
         for r in pair.sources_of(self._rank):
             entry.awaiting[r] = boots.get(entry.address(r))
         self._pending[tid] = entry
-        hold = Hold(tid, expect.dst_block_ids, expect.prefill_engine_id)
+        hold = Hold(tid, groups.flat(expect.dst_block_ids), expect.prefill_engine_id)
         try:
             self._ledger.hold(hold)
         except ValueError as e:  # vLLM gave a block to two live receives
@@ -316,7 +317,7 @@ class Receiver:
         for e in self._pending.values():
             if e.phase is Phase.QUARANTINED:
                 peer = e.expect.prefill_engine_id
-                out[peer] = out.get(peer, 0) + len(e.expect.dst_block_ids)
+                out[peer] = out.get(peer, 0) + groups.total(e.expect.dst_block_ids)
         return out
 
     def expire(self, now: float) -> None:
@@ -327,13 +328,13 @@ class Receiver:
                 entry.phase = Phase.QUARANTINED
                 self._counters.add("expired.receive")
                 self._counters.add(
-                    "quarantined.blocks", len(entry.expect.dst_block_ids)
+                    "quarantined.blocks", groups.total(entry.expect.dst_block_ids)
                 )
                 logger.warning(
                     "kvpush: no final word on %s by its deadline; its %d "
                     "blocks are quarantined until prefill answers",
                     entry.expect.transfer_id,
-                    len(entry.expect.dst_block_ids),
+                    groups.total(entry.expect.dst_block_ids),
                 )
                 self._ask(entry, "decode's deadline passed")
         for tid, words in list(self._early.items()):
@@ -367,7 +368,7 @@ class Receiver:
 
     def quarantined_blocks(self) -> int:
         return sum(
-            len(e.expect.dst_block_ids)
+            groups.total(e.expect.dst_block_ids)
             for e in self._pending.values()
             if e.phase is Phase.QUARANTINED
         )
@@ -463,4 +464,4 @@ class Receiver:
         if entry.cause is not None:
             self._counters.add(f"receive_failed.{entry.cause.value}")
             self._counters.add("fallback")
-            self._results.load_errors.update(entry.expect.dst_block_ids)
+            self._results.load_errors.update(groups.flat(entry.expect.dst_block_ids))

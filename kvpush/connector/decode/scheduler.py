@@ -70,6 +70,8 @@ from kvpush.connector.legs import Legs
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
 from kvpush.connector.side_channel import Peers
 from kvpush.connector.trace import Tracer
+from kvpush.transfer import groups
+from kvpush.transfer.groups import Groups
 from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT
 from kvpush.transfer.messages import (
     Cancel,
@@ -190,7 +192,7 @@ class DecodeScheduler:
         if num_external_tokens <= 0:  # vLLM loads nothing after all
             self._no_external_load(rid, leg, self._legs.first_of(rid), NO_LOAD)
             return
-        self._register(request, leg, list(blocks.get_block_ids()[0]))
+        self._register(request, leg, blocks.get_block_ids())
 
     def _no_external_load(
         self, rid: str, leg: DecodeLeg, first: str | None, reason: str
@@ -206,11 +208,13 @@ class DecodeScheduler:
         logger.info("kvpush: serving %s locally: %s", rid, reason)
         self._give_up(rid, leg, reason)
 
-    def _register(self, request: Any, leg: DecodeLeg, block_ids: list[int]) -> None:
+    def _register(self, request: Any, leg: DecodeLeg, block_ids: Groups) -> None:
+        """Register vLLM's tables (one per KV-cache group) from decode's
+        first missing prompt block on."""
         rid, bs = request.request_id, self.config.block_size
         first = self._local_hits.pop(rid, 0) // bs
         num_tokens = pushed_tokens(request, leg)
-        dst = tuple(block_ids[first : math.ceil(num_tokens / bs)])
+        dst = groups.span(block_ids, first, math.ceil(num_tokens / bs))
         reg = Registration(
             transfer_id=leg.transfer_id,
             decode_engine_id=self.config.engine_id,
@@ -244,7 +248,7 @@ class DecodeScheduler:
                     rank=rank,
                 )
                 self._meta.failures.append(failure)  # that rank cannot write
-        self.tracer.mark(leg.transfer_id, "reg_sent", num_blocks=len(dst),
+        self.tracer.mark(leg.transfer_id, "reg_sent", num_blocks=groups.total(dst),
                          request_id=rid)  # fmt: skip
         self._closed.add(rid)
         self._receiving[rid] = leg

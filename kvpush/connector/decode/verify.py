@@ -35,7 +35,6 @@ from collections.abc import Callable
 from kvpush.connector.decode.receiver import Check
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.kv_bytes import KvBytes
-from kvpush.transfer import groups
 from kvpush.transfer.digest import Ranges, destination_ranges, digest
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.ranks import TpPair
@@ -118,7 +117,7 @@ class Verifier:
         for head_slice in pair.targets_of(check.rank):
             if head_slice.dst_rank == self._rank:
                 return destination_ranges(
-                    groups.one(expect.dst_block_ids), self._layout, head_slice
+                    expect.dst_block_ids, self._layout, head_slice
                 )
         raise ValueError(f"prefill rank {check.rank} writes nothing to this rank")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpush.transfer import groups
 from kvpush.transfer.heads import HeadSlice, slice_problem
 from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout, compat_problem
 from kvpush.transfer.messages import Hello, Registration
@@ -98,7 +99,7 @@ class DecodePeers:
         peer = self.get(reg.decode_engine_id)
         if peer is None or peer.boot_id != reg.decode_boot_id:
             return None
-        if max(reg.dst_block_ids) < peer.layout.num_blocks:
+        if max(groups.flat(reg.dst_block_ids)) < peer.layout.num_blocks:
             return None
         return f"destination blocks beyond decode's {peer.layout.num_blocks}"
 

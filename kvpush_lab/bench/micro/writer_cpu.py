@@ -204,7 +204,7 @@ def _register(writer: Writer, tid: str, i: int) -> None:
         transfer_id=tid,
         decode_engine_id=DECODE,
         decode_boot_id=BOOT,
-        dst_block_ids=_blocks(i),
+        dst_block_ids=one(_blocks(i)),
         num_tokens=BLOCKS_PER_TRANSFER * BLOCK_SIZE,
         ttl_s=LONG_S,
         first_block=0,
