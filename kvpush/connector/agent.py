@@ -17,7 +17,11 @@ def open_agent(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor]) -> N
     first = next(iter(kv_caches.values()))
     num_blocks = config.num_blocks or int(first.shape[0])
     layout = layout_of(
-        kv_caches, config.block_size, num_blocks, cache_dtype=config.cache_dtype
+        kv_caches,
+        config.block_size,
+        num_blocks,
+        cache_dtype=config.cache_dtype,
+        groups=config.kv_groups,
     )
     return NixlIO(
         config.agent_name,

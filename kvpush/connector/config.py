@@ -48,6 +48,14 @@ a path; on slower links it pays from fewer bytes (1 Gbit/s: ~15 kB), and
 the value may be lowered. ``B_layer`` is the chunk's blocks times one
 block of one layer (K and V).
 
+A model with several KV-cache groups (sliding-window layers beside full
+ones under vLLM's hybrid KV-cache manager) pushes by chunk where ``auto``
+or ``chunk`` is set: the groups share one tensor per layer slot, and slot
+``k`` is written by each group's layer ``k`` at a different point of the
+forward, so no one layer's attention completes a slot
+(:attr:`ConnectorConfig.may_push_per_layer`); ``layer`` is refused
+(:mod:`kvpush.connector.support`).
+
 Per layer, vLLM must call ``save_kv_layer`` outside any captured CUDA
 graph: :meth:`KvPushConnector.requires_piecewise_for_cudagraph` says so
 for ``layer`` and ``auto`` (vLLM then runs FULL CUDA graphs as PIECEWISE).
@@ -96,6 +104,52 @@ _DURATIONS = ("registration_ttl_s", "ready_ttl_s", "peer_timeout_s")
 PUSH_GRANULARITIES: tuple[str, ...] = ("auto", "request", "chunk", "layer")
 DEFAULT_PUSH_GRANULARITY = "auto"
 PER_LAYER_GRANULARITIES: tuple[str, ...] = ("auto", "layer")  # may push per layer
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One of vLLM's KV-cache groups as kvpush maps it: ``kind`` (see
+    :func:`kv_group_kind`) and its layers' names, in vLLM's order."""
+
+    kind: str
+    layers: tuple[str, ...] = ()
+
+
+ONE_FULL_GROUP = (KvGroup("full"),)
+
+
+def kv_group_kind(spec: Any) -> str:
+    """What a group's KV-cache spec means for a copy: ``full`` (every
+    token kept), ``mla`` (one latent per token), ``sliding_window:<tokens>``
+    (only the window kept); any other spec by its class name (refused by
+    :mod:`kvpush.connector.support`). Both sides must group alike."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    if type(spec) is FullAttentionSpec:
+        return "full"
+    if type(spec) is MLAAttentionSpec:
+        return "mla"
+    if type(spec) is SlidingWindowSpec:
+        return f"sliding_window:{spec.sliding_window}"
+    return type(spec).__name__
+
+
+def kv_groups_of(kv_cache_config: Any) -> tuple[KvGroup, ...]:
+    """The groups of vLLM's ``kv_cache_config`` (one full group when it
+    names none: tests and tools that pass no config)."""
+    found = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return (
+        tuple(
+            KvGroup(kv_group_kind(g.kv_cache_spec), tuple(g.layer_names)) for g in found
+        )
+        or ONE_FULL_GROUP
+    )
+
+
 DEFAULT_LAYER_PUSH_MIN_BYTES = 2 * 1024 * 1024  # see the module docstring
 
 
@@ -139,6 +193,8 @@ class ConnectorConfig:
     control_dir: str = ""
     # one side of a kv_both instance (see ``sides``)
     of_both: bool = False
+    # vLLM's KV-cache groups (kv_cache_config.kv_cache_groups), in its order
+    kv_groups: tuple[KvGroup, ...] = ONE_FULL_GROUP
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -219,12 +275,18 @@ class ConnectorConfig:
 
     @property
     def may_push_per_layer(self) -> bool:
-        """Some chunks may go layer by layer (``layer``, ``auto``)."""
-        return self.push_granularity in PER_LAYER_GRANULARITIES
+        """Some chunks may go layer by layer (``layer``, ``auto``; one
+        KV-cache group only: see the module docstring)."""
+        return (
+            self.push_granularity in PER_LAYER_GRANULARITIES
+            and len(self.kv_groups) == 1
+        )
 
     def pushes_per_layer(self, layer_bytes: int) -> bool:
         """Whether a computed chunk holding ``layer_bytes`` of KV in each
         layer is pushed per layer (the rule: see the module docstring)."""
+        if not self.may_push_per_layer:
+            return False
         if self.push_granularity == "layer":
             return True
         return self.push_granularity == "auto" and (
@@ -296,6 +358,7 @@ class ConnectorConfig:
                 verify_kv_sample=_fraction(extra),
                 control_dir=_control_dir(extra),
                 of_both=False,  # sides() makes those
+                kv_groups=kv_groups_of(kv_cache_config),
                 **durations,
             )
         except (TypeError, ValueError) as e:

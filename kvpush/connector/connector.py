@@ -42,6 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvpush.connector.config import (
@@ -76,8 +78,13 @@ Scheduler = PrefillScheduler | DecodeScheduler
 Worker = PrefillWorker | DecodeWorker
 
 
-class KvPushConnector(KVConnectorBase_V1):
-    """vLLM's connector interface over kvpush's role objects."""
+class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector interface over kvpush's role objects.
+
+    It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): vLLM keeps
+    it on for kvpush, and a model with sliding-window layers beside full
+    ones gets a block table per KV-cache group, each copied as decode keeps
+    it (:mod:`kvpush.transfer.groups`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -165,6 +172,18 @@ class KvPushConnector(KVConnectorBase_V1):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._side_of(request).request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's finish hook with the hybrid manager (every group's table);
+        kvpush reads the tables at its triggers, so it answers alike."""
+        return self._side_of(request).request_finished(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """A push writes the request's own blocks of every group vLLM
+        transfers, so none of them may be zeroed while it lands."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     def first_token(self, request: Any) -> int | None:
         """The token prefill sampled after ``request``'s prompt, for kvpush's
@@ -278,6 +297,21 @@ class KvPushConnector(KVConnectorBase_V1):
         if self._prefill_worker is not None:
             return self._prefill_worker.build_worker_meta()
         return None
+
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
+        """:meth:`get_finished`'s sets, and the receives that failed where
+        vLLM takes failures by request (several KV-cache groups)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = set()
+        if self._decode_worker is not None:
+            failed = self._decode_worker.take_failed()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._decode_worker is not None:

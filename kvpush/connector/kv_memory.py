@@ -42,10 +42,12 @@ their order depends on the kernel block size, which the peer cannot check.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
 
+from kvpush.connector.config import ONE_FULL_GROUP, KvGroup
 from kvpush.transfer.layout import KvLayout
 
 _BYTE_CONTAINERS = (torch.uint8, torch.int8)
@@ -58,6 +60,7 @@ def layout_of(
     num_blocks: int,
     *,
     cache_dtype: str = "auto",
+    groups: Sequence[KvGroup] = ONE_FULL_GROUP,
 ) -> KvLayout:
     """The memory map of ``kv_caches`` (layer name -> cache tensor), whose
     blocks hold ``block_size`` tokens and number ``num_blocks``
@@ -65,7 +68,10 @@ def layout_of(
     ``--kv-cache-dtype``; it names the format when the tensors are plain
     bytes (fp8 is stored as uint8). Raises ``ValueError`` naming the layer,
     shape and strides for anything that is not equally strided contiguous
-    blocks, identical in every layer."""
+    blocks, identical in every layer. ``groups`` are vLLM's KV-cache
+    groups: with more than one, each group's layer ``k`` must be layer
+    slot ``k`` (the groups alias one allocation), else ``ValueError``
+    naming the layer."""
     if not kv_caches:
         raise ValueError("vLLM registered no KV-cache tensors; nothing to map")
     if block_size < 1 or num_blocks < 1:
@@ -80,6 +86,8 @@ def layout_of(
         regions = _regions(name, tensor, block_size, num_blocks)
         base_addrs.extend(region.data_ptr() for region in regions)
     _check_disjoint(base_addrs, num_blocks * block_bytes)
+    if len(groups) > 1:
+        _check_groups_alias(kv_caches, groups)
     return KvLayout(
         num_blocks=num_blocks,
         block_bytes=block_bytes,
@@ -88,7 +96,25 @@ def layout_of(
         regions_per_layer=len(first_regions),
         device_id=first.device.index or 0,
         kv_dtype=_dtype_name(first.dtype, cache_dtype),
+        kv_groups=tuple(g.kind for g in groups),
     )
+
+
+def _check_groups_alias(
+    kv_caches: dict[str, torch.Tensor], groups: Sequence[KvGroup]
+) -> None:
+    """Every group's layer ``k`` is slot ``k``: a block id then names the
+    same bytes whichever group holds it, and a copy of block ``b`` over
+    every slot writes only what the group holding ``b`` owns."""
+    slots = layer_indices(kv_caches)
+    for g, group in enumerate(groups):
+        for k, name in enumerate(group.layers):
+            if slots.get(name) != k:
+                raise ValueError(
+                    f"KV-cache group {g}'s layer {k} ({name}) is not layer slot "
+                    f"{k} but {slots.get(name)}: kvpush maps groups that share "
+                    "one allocation, layer k of every group in slot k"
+                )
 
 
 def region_views(

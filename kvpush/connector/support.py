@@ -32,12 +32,20 @@ Accepted, and why the copy is right:
   and prefill refuses a Hello (or Registration) it cannot map, or of
   another head count, with the reason (``rejected.incompatible``; decode
   falls back and counts ``receive_failed.incompatible``).
-- One KV-cache group whose spec is exactly ``FullAttentionSpec``: every layer
-  keeps every token, in the same block ids. Sliding-window or chunked layers
-  that vLLM allocates as full attention (hybrid manager off, the default for
-  a connector without ``SupportsHMA``) arrive as a ``FullAttentionSpec`` with
-  ``sliding_window`` set; their blocks are all allocated and written, so they
-  copy like full attention.
+- KV-cache groups whose specs are exactly ``FullAttentionSpec``,
+  ``MLAAttentionSpec`` (below) or ``SlidingWindowSpec``, at least one of
+  them not windowed. kvpush supports vLLM's hybrid KV-cache manager, so a
+  model with sliding-window layers beside full ones (Gemma 2/3, gpt-oss)
+  has one group per kind of layer, each with its own block table, all
+  aliasing one allocation (layer ``k`` of every group in slot ``k``,
+  checked by :func:`kvpush.connector.kv_memory.layout_of`). A windowed
+  group's table holds vLLM's null block where the window has let go of a
+  block, on either side: a push writes exactly the blocks decode's tables
+  keep (:func:`kvpush.transfer.groups.aligned`). With the manager off
+  (``--disable-hybrid-kv-cache-manager``) windowed layers arrive as a
+  ``FullAttentionSpec`` with ``sliding_window`` set, every block kept, and
+  copy like full attention. Several groups push per chunk, never per
+  layer (:mod:`kvpush.connector.config`); all-windowed models are refused.
 - A cache dtype whose element size is known (:func:`kv_element_size`): the
   model's own, float16, bfloat16, float32, or a per-tensor-scaled fp8 (one
   byte; the scales are model constants, the same on both sides).
@@ -70,6 +78,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvpush.connector.config import granularity_of
 from kvpush.transfer import layout
 
 # The one layout kvpush maps. vLLM asks the connector class for it
@@ -216,14 +225,33 @@ def _group_problems(vllm_config: Any, kv_cache_config: Any) -> list[str]:
             "the KV cache; use the vLLM version kvpush is built for"
         ]
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return [_groups_problem([g.kv_cache_spec for g in groups])]
-    group = groups[0]
-    problems = _spec_problems(group.kv_cache_spec, vllm_config)
-    if group.host_resident or not group.enable_kv_transfer:
+    specs = [g.kv_cache_spec for g in groups]
+    refused = [r for r in map(_refused_kind, specs) if r is not None]
+    if refused or not groups:
+        return [_groups_problem(specs) if len(groups) != 1 else refused[0]]
+    problems = [p for spec in specs for p in _spec_problems(spec, vllm_config)]
+    if any(g.host_resident or not g.enable_kv_transfer for g in groups):
         problems.append(
-            "the KV-cache group is host-resident or excluded from KV transfer; "
-            "kvpush copies only a transferable device group"
+            "a KV-cache group is host-resident or excluded from KV transfer; "
+            "kvpush copies only transferable device groups"
+        )
+    if not any(isinstance(s, FullAttentionSpec | MLAAttentionSpec) for s in specs):
+        problems.append(
+            f"KV-cache groups {', '.join(type(s).__name__ for s in specs)}: every "
+            "layer is windowed; kvpush maps models with at least one full-"
+            "attention layer, serve one or turn vLLM's hybrid KV-cache manager "
+            "off (--disable-hybrid-kv-cache-manager: every block kept)"
+        )
+    granularity = granularity_of(
+        getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        if getattr(vllm_config, "kv_transfer_config", None) is not None
+        else None
+    )
+    if len(groups) > 1 and granularity == "layer":
+        problems.append(
+            f"push_granularity layer with {len(groups)} KV-cache groups: the "
+            "groups share each layer's tensor, so no one layer's attention "
+            "completes it; use auto or chunk (both push per chunk here)"
         )
     return problems
 
@@ -269,9 +297,8 @@ def _groups_problem(specs: list[Any]) -> str:
     model family the first non-full-attention group belongs to."""
     kinds = ", ".join(type(s).__name__ for s in specs) or "none"
     head = (
-        f"{len(specs)} KV-cache groups ({kinds}): kvpush maps models whose "
-        "layers all share one group of full attention, one block table per "
-        "request"
+        f"{len(specs)} KV-cache groups ({kinds}): kvpush maps groups of full "
+        "attention, MLA and sliding-window attention"
     )
     reasons = (_refused_kind(s) for s in specs)
     reason = next((r for r in reasons if r is not None), None)
@@ -311,15 +338,12 @@ def _refused_kind(spec: Any) -> str | None:
             )
         if type(spec) is MLAAttentionSpec:
             return None  # one latent "head" per token, copied whole (module doc)
+    if type(spec) is SlidingWindowSpec:
+        return None  # copied as decode's table keeps it (null blocks left out)
     if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
         return name + (
-            "sliding-window or chunked local attention (Gemma 2/3, gpt-oss, "
-            "Mistral or Llama 4-style) caches free the blocks outside their "
-            "window, so a request's block ids do not cover its whole prompt; "
-            "kvpush maps full attention only. A model mixing windowed and full "
-            "layers is served (kvpush turns vLLM's hybrid KV cache manager "
-            "off, so every layer keeps every block); one whose every layer is "
-            "windowed is not"
+            "chunked local attention (Llama 4-style) and other windowed "
+            "variants are not mapped by kvpush; plain sliding windows are"
         )
     if isinstance(spec, MambaSpec):
         return name + _MAMBA_REASON

@@ -71,3 +71,28 @@ def _values_per_token(config: dict[str, Any]) -> int:
     kv_heads = int(config.get("num_key_value_heads", heads))
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     return 2 * layers * kv_heads * head_dim
+
+
+def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) -> int:
+    """The KV bytes decode keeps of a ``num_tokens`` prompt it holds none
+    of, in ``block_size``-token blocks, with vLLM's hybrid KV-cache manager
+    on: every block of a full-attention layer; of a sliding-window layer
+    (``layer_types`` ``sliding_attention``, Gemma 3 and gpt-oss style) the
+    blocks from the one holding the first token its window still reads
+    for the next token (token ``num_tokens - sliding_window + 1``) on.
+    What a push must write, no more (vLLM pads a last short group with
+    unused layer slots, which a push also writes: not counted here)."""
+    if num_tokens < 1 or block_size < 1:
+        raise ValueError(f"num_tokens {num_tokens} and block_size {block_size}")
+    config = text_config(model_dir)
+    if config is None:
+        raise ValueError(f"cannot read the KV shape of {model_dir}")
+    per_token = kv_bytes_per_token(model_dir, dtype)
+    kinds = config.get("layer_types") or ["full_attention"] * int(
+        config["num_hidden_layers"]
+    )
+    blocks = -(-num_tokens // block_size)
+    window = config.get("sliding_window")
+    skipped = 0 if not window else max(0, num_tokens - int(window) + 1) // block_size
+    kept = [blocks - skipped if k == "sliding_attention" else blocks for k in kinds]
+    return sum(kept) * block_size * per_token // len(kinds)

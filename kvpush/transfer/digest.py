@@ -120,8 +120,8 @@ def destination_ranges(
 ) -> Ranges:
     """Decode's side: where ``head_slice`` lands in every group's
     ``dst_block_ids`` of every layer, in address order (one range per block
-    per region)."""
-    ids = np.asarray(groups.flat(dst_block_ids), dtype=np.uint64)
+    per region; null blocks are not written, :func:`groups.aligned`)."""
+    ids = np.asarray(groups.real(dst_block_ids), dtype=np.uint64)
     head_bytes = dst.block_bytes // head_slice.dst.num_heads
     offset = head_slice.dst_heads.start * head_bytes
     bases = np.asarray(dst.base_addrs, dtype=np.uint64)

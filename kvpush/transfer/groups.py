@@ -6,8 +6,15 @@ sliding window, Mamba state), all drawn from one block pool. Index ``i``
 of group ``g`` is prompt block ``i`` of that group on both sides, so a
 transfer pairs ``src[g][i]`` with ``dst[g][i - first_block]`` for every
 group. :func:`aligned` is the only code that makes those pairs; everything
-else carries the groups as they are. A model with one group (today's:
-dense, MoE, MLA) has a tuple of one list.
+else carries the groups as they are. A model with one group (dense, MoE,
+MLA) has a tuple of one list.
+
+The null block: vLLM's block pool hands out block :data:`NULL_BLOCK` (id 0)
+to no request; a table holds it where a group keeps no block (the prompt
+blocks a sliding window has left, on either side). :func:`aligned` pairs
+only the prompt blocks decode keeps (a real destination id) and refuses a
+pair whose source prefill no longer holds; no other code decides which
+blocks a transfer carries. Null ids are never pinned, held or written.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from collections.abc import Sequence
 Blocks = tuple[int, ...]
 GroupBlocks = tuple[Blocks, ...]
 Groups = Sequence[Sequence[int]]  # any per-group sequences (read only)
+
+NULL_BLOCK = 0  # vLLM's null block: in a table, "no block kept here"
 
 
 def one(block_ids: Sequence[int]) -> GroupBlocks:
@@ -39,15 +48,21 @@ def total(groups: GroupBlocks) -> int:
     return sum(len(g) for g in groups)
 
 
+def real(groups: Groups) -> Blocks:
+    """Every group's ids less the null block, in group order: the blocks a
+    request really holds (what is pinned, held in the ledger, or lost)."""
+    return tuple(b for g in groups for b in g if b != NULL_BLOCK)
+
+
 def span(groups: Groups, start: int, end: int) -> GroupBlocks:
     """Prompt blocks ``start`` to ``end`` (exclusive) of every group."""
     return tuple(tuple(g[start:end]) for g in groups)
 
 
 def distinct_problem(groups: GroupBlocks) -> str | None:
-    """Why these groups cannot be one request's blocks (an id twice, in
+    """Why these groups cannot be one request's blocks (a real id twice, in
     one group or two: the groups share one pool), or None."""
-    ids = flat(groups)
+    ids = real(groups)
     if len(set(ids)) != len(ids):
         return "a block id repeats among the groups' block lists"
     return None
@@ -56,11 +71,14 @@ def distinct_problem(groups: GroupBlocks) -> str | None:
 def aligned(
     src: Groups, dst: Groups, start: int, end: int, first_block: int
 ) -> tuple[GroupBlocks, GroupBlocks]:
-    """The pairs of prompt blocks ``start`` to ``end`` (exclusive): the
-    source ids of those blocks and, for each, the destination id decode
-    registered for it (``dst[g][i]`` is prompt block ``first_block + i``).
-    ``ValueError`` when the group counts differ, the span begins before
-    ``first_block``, or a group is too short for it."""
+    """The pairs of prompt blocks ``start`` to ``end`` (exclusive) that
+    decode keeps: per group, the source id of each such block and the
+    destination id decode registered for it (``dst[g][i]`` is prompt block
+    ``first_block + i``), leaving out blocks whose destination is the null
+    block (decode's window does not read them). ``ValueError`` when the
+    group counts differ, the span begins before ``first_block``, a group is
+    too short for it, or prefill's source of a block decode keeps is the
+    null block (it was let go: the KV decode would read is not there)."""
     if len(src) != len(dst) or not src:
         raise ValueError(
             f"{len(src)} source and {len(dst)} destination groups cannot pair"
@@ -77,7 +95,21 @@ def aligned(
                 f"blocks; prompt blocks {start}..{end} need {end} and "
                 f"{end - first_block}"
             )
+    pairs = [
+        [(s, d) for s, d in zip(g_src, g_dst, strict=True) if d != NULL_BLOCK]
+        for g_src, g_dst in zip(
+            span(src, start, end),
+            span(dst, start - first_block, end - first_block),
+            strict=True,
+        )
+    ]
+    for g, group in enumerate(pairs):
+        if any(s == NULL_BLOCK for s, _ in group):
+            raise ValueError(
+                f"group {g}: decode keeps a prompt block of {start}..{end} "
+                "that prefill no longer holds (its source is the null block)"
+            )
     return (
-        span(src, start, end),
-        span(dst, start - first_block, end - first_block),
+        tuple(tuple(s for s, _ in group) for group in pairs),
+        tuple(tuple(d for _, d in group) for group in pairs),
     )

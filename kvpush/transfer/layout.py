@@ -15,6 +15,12 @@ and V of a block side by side), 2 where K and V are separate tensors. Block
 ``b`` of region ``r`` is the contiguous chunk
 ``[base_addrs[r] + b*block_bytes, +block_bytes)``, so consecutive block ids
 are consecutive memory within a region.
+
+KV-cache groups (vLLM's hybrid manager: sliding-window layers beside full
+ones) share the regions: layer ``k`` of every group is layer slot ``k``,
+one block pool for all, so block ``b`` of a slot belongs to whichever group
+holds ``b`` for its request. ``kv_groups`` names each group's kind; two
+instances copy block for block only when they group alike.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ class KvLayout(msgspec.Struct, frozen=True):
     regions_per_layer: PosInt = 1
     device_id: NonNegInt = 0
     kv_dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    # each KV-cache group's kind (kvpush.connector.config.kv_group_kind)
+    kv_groups: Annotated[
+        tuple[Annotated[str, msgspec.Meta(max_length=64)], ...],
+        msgspec.Meta(max_length=64),
+    ] = ("full",)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_bytes < 1 or self.block_size < 1:
@@ -115,7 +126,13 @@ def compat_problem(local: KvLayout, remote: KvLayout) -> str | None:
     or ``None`` when they can. ``num_blocks`` and addresses may differ; the
     shape of one block and the number of layers and regions may not.
     Called by the prefill side when a decode's :class:`Hello` arrives."""
-    for field in ("block_bytes", "block_size", "regions_per_layer", "kv_dtype"):
+    for field in (
+        "block_bytes",
+        "block_size",
+        "regions_per_layer",
+        "kv_dtype",
+        "kv_groups",
+    ):
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
             return f"{field} differs: local {mine!r}, remote {theirs!r}"

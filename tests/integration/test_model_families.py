@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import pytest
 
 from kvpush import env
+from kvpush.model import kv_size
 from kvpush.model.presets import ensure_preset
 from kvpush.router.config import FirstTokenFrom
 from kvpush.router.first_token import Outcome
@@ -38,6 +39,7 @@ from tests.integration.conftest import Cluster, start_cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
 
 pytestmark = pytest.mark.integration
+SWA_BLOCK = 128  # vLLM's CPU attention block (docs/model-families.md)
 
 
 @pytest.fixture(scope="class")
@@ -77,15 +79,46 @@ class TestKvPushMoe(FamilyChecks):
 
 
 class TestKvPushSlidingWindow(FamilyChecks):
-    """Gemma-3-style sliding-window layers (window 128) between full ones:
-    with vLLM's hybrid KV-cache manager off (kvpush lacks ``SupportsHMA``)
-    every layer keeps every block, and all of them are pushed."""
+    """Gemma-3-style sliding-window layers (window 128) between full ones,
+    with vLLM's hybrid KV-cache manager on (its default with kvpush): three
+    KV-cache groups, the windowed ones keeping only their window's blocks
+    on both sides; pushed per chunk (``auto``, chunked prefill on)."""
 
     preset = "swa"
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "verify_kv": "all",
     }
+
+    def test_pushes_only_the_blocks_decode_keeps(
+        self, pd_cluster: Cluster, model_dir: Path
+    ) -> None:
+        """A prompt decode holds none of: the WRITEs carry every block of the
+        full layers and only the window's blocks of the windowed ones."""
+        name = names.KVPUSH_WRITE_BYTES.sum
+        before = faults.instance_metric(pd_cluster, "prefill0", name)
+        prompt = workload.text_of(700, seed=2501)  # in no earlier request
+        reply = workload.send(pd_cluster.url, *workload.completion(prompt, False, 2))
+        assert reply.status == 200, reply.body
+        num_tokens = int(reply.body["usage"]["prompt_tokens"])
+        want = kv_size.pushed_bytes(model_dir, "float32", num_tokens, SWA_BLOCK)
+        all_blocks = (
+            -(-num_tokens // SWA_BLOCK)
+            * SWA_BLOCK
+            * kv_size.kv_bytes_per_token(model_dir, "float32")
+        )
+        assert want < all_blocks, "the prompt must be longer than the window"
+        deadline = time.monotonic() + 10  # vLLM reports stats after a step
+        while True:
+            written = faults.instance_metric(pd_cluster, "prefill0", name) - before
+            if written == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert written == want, f"wrote {written} bytes, decode keeps {want}"
+
+    # Declared again so that it runs after the check above.
+    def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
+        super().test_down_stops_every_process(pd_cluster)
 
 
 # Long (not CI, for time): the same families with decode at TP 2, so that
@@ -124,12 +157,28 @@ class TestKvPushMoePerLayer(TestKvPushMoe):
 
 
 @pytest.mark.long
-class TestKvPushSlidingWindowPerLayer(TestKvPushSlidingWindow):
-    """Sliding window + full layers, pushed per layer."""
+class TestKvPushSlidingWindowPerLayer(FamilyChecks):
+    """Sliding window + full layers, pushed per layer: with vLLM's hybrid
+    KV-cache manager off (one group, every block kept and pushed), as
+    per-layer pushes of several groups are refused."""
 
+    preset = "swa"
     cluster_options: ClassVar[dict[str, Any]] = {
         **TestKvPushSlidingWindow.cluster_options,
         "push_granularity": "layer",
+        "extra_vllm_args": ("--disable-hybrid-kv-cache-manager",),
+    }
+
+
+@pytest.mark.long
+class TestKvPushSlidingWindowWhole(TestKvPushSlidingWindow):
+    """Sliding window + full layers with the hybrid manager, pushed once per
+    request: the trigger reads vLLM's current tables, where the windowed
+    groups have already let go of the prompt's first blocks."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushSlidingWindow.cluster_options,
+        "push_granularity": "request",
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpush.connector.config import KvGroup
 from kvpush.connector.kv_memory import layout_of
 from kvpush.transfer.layout import compat_problem
 
@@ -111,6 +112,43 @@ def test_a_layer_sharing_another_layers_cache_is_mapped_once():
     caches["model.layers.9.self_attn.attn"] = caches[name(0)]  # KV sharing
     layout = layout_of(caches, BS, NB)
     assert layout.num_layers == LAYERS
+
+
+def two_groups(caches: dict[str, torch.Tensor]) -> tuple[KvGroup, ...]:
+    """A windowed group over layers 0..2 and a full one over 3..5, as vLLM's
+    hybrid manager groups them (layer k of each group in slot k)."""
+    window = KvGroup("sliding_window:64", tuple(name(k) for k in range(LAYERS)))
+    full = KvGroup("full", tuple(name(LAYERS + k) for k in range(LAYERS)))
+    return window, full
+
+
+def test_kv_cache_groups_aliasing_one_allocation_share_the_slots():
+    caches = vllm_views()
+    for k in range(LAYERS):  # vLLM's allocate_kv_cache: same-slot views
+        caches[name(LAYERS + k)] = caches[name(k)]
+    layout = layout_of(caches, BS, NB, groups=two_groups(caches))
+    assert layout.num_layers == LAYERS
+    assert layout.kv_groups == ("sliding_window:64", "full")
+
+
+def test_kv_cache_groups_in_separate_memory_are_refused_naming_the_layer():
+    caches = vllm_views()
+    other = vllm_views()
+    for k in range(LAYERS):
+        caches[name(LAYERS + k)] = other[name(k)]
+    with pytest.raises(ValueError, match=r"group 1's layer 0 \(model.layers.3"):
+        layout_of(caches, BS, NB, groups=two_groups(caches))
+
+
+def test_layouts_grouped_differently_cannot_copy():
+    caches = vllm_views()
+    for k in range(LAYERS):
+        caches[name(LAYERS + k)] = caches[name(k)]
+    grouped = layout_of(caches, BS, NB, groups=two_groups(caches))
+    one = layout_of(vllm_views(), BS, NB)
+    assert one.kv_groups == ("full",)
+    assert "kv_groups differs" in (compat_problem(grouped, one) or "")
+    assert compat_problem(grouped, grouped) is None
 
 
 # -- refused -------------------------------------------------------------------------

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
-from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.config import ConnectorConfig, KvGroup
+from kvpush.connector.connector import KvPushConnector
 from kvpush.connector.decode import worker as worker_module
 from kvpush.connector.decode.worker import DecodeWorker
 from kvpush.connector.metadata import (
@@ -33,7 +34,7 @@ from kvpush.connector.metadata import (
 )
 from kvpush.connector.prefill.fence import NoFence
 from kvpush.connector.prefill.worker import PrefillWorker
-from kvpush.transfer.groups import one
+from kvpush.transfer.groups import NULL_BLOCK, one
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.matcher import ReadyKv
 from kvpush.transfer.messages import (
@@ -290,6 +291,30 @@ def test_a_failure_from_prefill_finishes_the_receive_with_load_errors(decode):
     assert decode.worker.take_load_errors() == {3, 4, 5}
     assert decode.worker.take_load_errors() == set(), "reported once"
     assert decode.worker.counters.get("receive_failed.write_failed") == 1
+
+
+def test_with_several_kv_groups_a_failure_is_told_by_request(clock: FakeTime):
+    """vLLM takes failed receives of a model with several KV-cache groups
+    by request (``failed_recving``: block ids are unique per group only),
+    and raises on block ids; two receives whose windows keep no block (the
+    null block) in the same places hold only their real blocks."""
+    groups_ = (KvGroup("sliding_window:64"), KvGroup("full"))
+    rig = make_decode(clock, kv_groups=groups_)
+    null = NULL_BLOCK
+    for tid, rid, window, full in (
+        ("t1", "r1", (null, 7), (3, 4)),
+        ("t2", "r2", (null, 8), (5, 6)),
+    ):
+        expect = replace(recv_expect(tid, rid), dst_block_ids=(window, full))
+        rig.worker.bind(DecodeMetadata(expects=[expect]))
+    assert rig.worker.reserved_blocks() == 6, "the null block is never held"
+    rig.peers.queue_reply(Failure("t1", "p0", Cause.WRITE_FAILED))
+
+    assert rig.step() == {"r1"}
+    assert rig.worker.take_failed() == {"r1"}
+    assert rig.worker.take_load_errors() == set()
+    assert rig.worker.take_failed() == set(), "reported once"
+    close_decode(rig)
 
 
 def test_a_failure_before_its_expect_is_kept_for_it(decode: Decode):
@@ -692,3 +717,19 @@ def test_a_preemption_with_a_write_in_flight_returns_at_once_and_reports_it_late
     assert worker.build_worker_meta() == PushesOver({"r1": frozenset({1})})
     assert worker.build_worker_meta() is None
     assert leftovers(worker) == {}
+
+
+def test_the_connector_reports_failed_requests_with_its_finished_ones(clock: FakeTime):
+    """``get_transfer_results``, as vLLM's worker calls it each step."""
+    groups_ = (KvGroup("sliding_window:64"), KvGroup("full"))
+    rig = make_decode(clock, kv_groups=groups_)
+    connector = object.__new__(KvPushConnector)
+    connector._prefill_worker, connector._decode_worker = None, rig.worker
+    rig.expect()
+    rig.peers.queue_reply(Failure("t1", "p0", Cause.WRITE_FAILED))
+
+    results = connector.get_transfer_results(set())
+
+    assert results.finished_recving == {"r1"} and results.failed_recving == {"r1"}
+    assert connector.get_block_ids_with_load_errors() == set()
+    close_decode(rig)

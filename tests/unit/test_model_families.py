@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvpush.connector.config import kv_groups_of
 from kvpush.connector.support import UnsupportedConfig, check_supported
 from kvpush.model import families
 from kvpush.model.kv_size import kv_bytes_per_token
@@ -321,9 +322,19 @@ def test_swa_with_the_hybrid_manager_has_a_group_and_block_table_per_window(
     kv = vllm_groups("swa", hf_configs["swa"], hma=True)
     assert kinds(kv) == ["SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec"]
     assert [len(g.layer_names) for g in kv.kv_cache_groups] == [2, 2, 2]
-    message = refusal("swa", hf_configs["swa"], hma=True)
-    assert "3 KV-cache groups (SlidingWindowSpec, SlidingWindowSpec, " in message
-    assert "sliding-window or chunked local attention (Gemma 2/3" in message
+    assert check_supported(_vllm_config(CPU_BLOCK, hma=True), kv) is None
+    window = f"sliding_window:{families.SLIDING_WINDOW}"
+    assert [g.kind for g in kv_groups_of(kv)] == [window, window, "full"]
+
+
+def test_swa_with_the_hybrid_manager_refuses_per_layer_pushes(hf_configs):
+    kv = vllm_groups("swa", hf_configs["swa"], hma=True)
+    config = _vllm_config(CPU_BLOCK, hma=True)
+    config.kv_transfer_config = SimpleNamespace(
+        kv_connector_extra_config={"push_granularity": "layer"}
+    )
+    with pytest.raises(UnsupportedConfig, match="push_granularity layer with 3"):
+        check_supported(config, kv)
 
 
 def test_swa_as_kvpush_runs_it_is_one_full_group_that_kvpush_serves(hf_configs):

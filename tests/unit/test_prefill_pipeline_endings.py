@@ -341,7 +341,7 @@ def test_a_fence_of_one_transfer_never_holds_another():
     rig.register(0.0, tid="t1")
     rig.ready(0.0, tid="t1", fence=slow)
     rig.register(0.0, tid="t2", dst=(20, 21, 22, 23))
-    rig.ready(0.0, tid="t2", req_id="req-2", src=(0, 1, 2, 3), fence=NO_FENCE)
+    rig.ready(0.0, tid="t2", req_id="req-2", src=(5, 1, 2, 3), fence=NO_FENCE)
     rig.tick(0.0)
     assert rig.finished == ["req-2"], "t2 is written while t1's forward runs"
 

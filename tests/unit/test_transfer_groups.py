@@ -57,17 +57,53 @@ def test_an_id_in_two_groups_is_a_problem() -> None:
     st.data(),
 )
 def test_every_pair_is_one_prompt_block(num_groups: int, n: int, data) -> None:
-    """Source ``g * 100 + i`` and destination ``g * 100 + i + 1000`` name
-    prompt block ``i`` of group ``g``: every pair made is one block."""
+    """Source ``g * 100 + i + 1`` and destination ``g * 100 + i + 1001``
+    name prompt block ``i`` of group ``g``; a group keeps, on decode, blocks
+    from ``kept[g]`` on (a window: the null block before), prefill from
+    ``held[g] <= kept[g]`` on. Every pair made is one block decode keeps,
+    and every block decode keeps in the span is paired."""
     first = data.draw(st.integers(0, n - 1))
     start = data.draw(st.integers(first, n))
     end = data.draw(st.integers(start, n))
-    src = groups.of([[g * 100 + i for i in range(n)] for g in range(num_groups)])
+    kept = [data.draw(st.integers(0, n)) for _ in range(num_groups)]
+    held = [data.draw(st.integers(0, k)) for k in kept]
+    null = groups.NULL_BLOCK
+    src = groups.of(
+        [
+            [g * 100 + i + 1 if i >= held[g] else null for i in range(n)]
+            for g in range(num_groups)
+        ]
+    )
     dst = groups.of(
-        [[g * 100 + i + 1000 for i in range(first, n)] for g in range(num_groups)]
+        [
+            [g * 100 + i + 1001 if i >= kept[g] else null for i in range(first, n)]
+            for g in range(num_groups)
+        ]
     )
     s, d = groups.aligned(src, dst, start, end, first)
     assert len(s) == len(d) == num_groups
-    for sg, dg in zip(s, d, strict=True):
-        assert len(sg) == len(dg) == end - start
+    for g, (sg, dg) in enumerate(zip(s, d, strict=True)):
+        want = [g * 100 + i + 1 for i in range(max(start, kept[g]), end)]
+        assert list(sg) == want
         assert all(b + 1000 == a for a, b in zip(dg, sg, strict=True))
+
+
+def test_a_block_decode_keeps_but_prefill_let_go_is_refused() -> None:
+    null = groups.NULL_BLOCK
+    with pytest.raises(ValueError, match="group 1: decode keeps a prompt block"):
+        groups.aligned(((5, 6), (null, 8)), ((15, 16), (17, 18)), 0, 2, 0)
+
+
+def test_blocks_decode_does_not_keep_are_left_out() -> None:
+    null = groups.NULL_BLOCK
+    s, d = groups.aligned(
+        ((5, 6, 7), (null, 9, 10)), ((15, 16, 17), (null, null, 20)), 0, 3, 0
+    )
+    assert (s, d) == (((5, 6, 7), (10,)), ((15, 16, 17), (20,)))
+
+
+def test_null_blocks_are_not_real_ids() -> None:
+    null = groups.NULL_BLOCK
+    assert groups.real(((null, 3), (null, null, 4))) == (3, 4)
+    assert groups.distinct_problem(((null, 3), (null, 4))) is None
+    assert groups.distinct_problem(((3,), (3,))) is not None

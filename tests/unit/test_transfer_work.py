@@ -110,19 +110,21 @@ def test_a_work_item_holds_one_list_per_group() -> None:
 def test_chunk_cursor_sends_complete_blocks_as_chunks_finish() -> None:
     # 70 tokens, block size 16: blocks 0..4, the last holds 6 tokens.
     src = (50, 51, 52, 53, 54)
-    cursor = ChunkCursor("t", one((0, 1, 2, 3, 4)), 0, 70, block_size=16, num_layers=2)
+    cursor = ChunkCursor(
+        "t", one((10, 11, 12, 13, 14)), 0, 70, block_size=16, num_layers=2
+    )
     assert cursor.advance(one(src[:1]), 10) == []  # block 0 not full yet
     (a,) = cursor.advance(one(src[:3]), 40)  # blocks 0, 1 full; 2 partial
     assert (a.src_block_ids, a.dst_block_ids, a.notify) == (
         one((50, 51)),
-        one((0, 1)),
+        one((10, 11)),
         False,
     )
     assert cursor.advance(one(src[:3]), 40) == []  # nothing new
     (b,) = cursor.advance(one(src), 70)  # prompt done: the partial last block too
     assert (b.src_block_ids, b.dst_block_ids, b.notify) == (
         one((52, 53, 54)),
-        one((2, 3, 4)),
+        one((12, 13, 14)),
         True,
     )
     assert cursor.is_done and cursor.advance(one(src), 70) == []
@@ -152,7 +154,7 @@ def test_chunk_cursor_covers_every_registered_block_once(
     total = -(-num_tokens // block_size)
     first = min(first, total - 1)
     src = one(range(100, 100 + total))
-    dst = one(range(first, total))
+    dst = one(range(first + 1, total + 1))
     cursor = ChunkCursor("t", dst, first, num_tokens, block_size, num_layers=2)
     items = [
         item

@@ -141,6 +141,7 @@ class Results:
 
     finished: set[str] = field(default_factory=set)  # request ids
     load_errors: set[int] = field(default_factory=set)  # block ids
+    failed: set[str] = field(default_factory=set)  # request ids (among finished)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ class Receiver:
         for r in pair.sources_of(self._rank):
             entry.awaiting[r] = boots.get(entry.address(r))
         self._pending[tid] = entry
-        hold = Hold(tid, groups.flat(expect.dst_block_ids), expect.prefill_engine_id)
+        hold = Hold(tid, groups.real(expect.dst_block_ids), expect.prefill_engine_id)
         try:
             self._ledger.hold(hold)
         except ValueError as e:  # vLLM gave a block to two live receives
@@ -317,7 +318,7 @@ class Receiver:
         for e in self._pending.values():
             if e.phase is Phase.QUARANTINED:
                 peer = e.expect.prefill_engine_id
-                out[peer] = out.get(peer, 0) + groups.total(e.expect.dst_block_ids)
+                out[peer] = out.get(peer, 0) + len(groups.real(e.expect.dst_block_ids))
         return out
 
     def expire(self, now: float) -> None:
@@ -328,13 +329,13 @@ class Receiver:
                 entry.phase = Phase.QUARANTINED
                 self._counters.add("expired.receive")
                 self._counters.add(
-                    "quarantined.blocks", groups.total(entry.expect.dst_block_ids)
+                    "quarantined.blocks", len(groups.real(entry.expect.dst_block_ids))
                 )
                 logger.warning(
                     "kvpush: no final word on %s by its deadline; its %d "
                     "blocks are quarantined until prefill answers",
                     entry.expect.transfer_id,
-                    groups.total(entry.expect.dst_block_ids),
+                    len(groups.real(entry.expect.dst_block_ids)),
                 )
                 self._ask(entry, "decode's deadline passed")
         for tid, words in list(self._early.items()):
@@ -368,7 +369,7 @@ class Receiver:
 
     def quarantined_blocks(self) -> int:
         return sum(
-            groups.total(e.expect.dst_block_ids)
+            len(groups.real(e.expect.dst_block_ids))
             for e in self._pending.values()
             if e.phase is Phase.QUARANTINED
         )
@@ -464,4 +465,5 @@ class Receiver:
         if entry.cause is not None:
             self._counters.add(f"receive_failed.{entry.cause.value}")
             self._counters.add("fallback")
-            self._results.load_errors.update(groups.flat(entry.expect.dst_block_ids))
+            self._results.load_errors.update(groups.real(entry.expect.dst_block_ids))
+            self._results.failed.add(entry.expect.req_id)

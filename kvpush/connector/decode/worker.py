@@ -125,6 +125,7 @@ class DecodeWorker:
             self.counters,
         )
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()
         self._last_step = time.monotonic()
         self._control = ControlDir(config.control_dir)
         self._control.prepare()
@@ -230,7 +231,14 @@ class DecodeWorker:
         self._heartbeats.set_targets(self._receiver.awaited())
         self._want_progress()
         results = self._receiver.take()
-        self._load_errors |= results.load_errors
+        # How vLLM is told a receive failed: by its blocks with one KV-cache
+        # group; with several, block ids are unique per group only and vLLM
+        # takes whole requests (failed_recving), recomputing each from its
+        # first token.
+        if len(self.config.kv_groups) == 1:
+            self._load_errors |= results.load_errors
+        else:
+            self._failed |= results.failed
         return results.finished
 
     def _read_replies(self, now: float) -> None:
@@ -377,8 +385,15 @@ class DecodeWorker:
         return sum(len(h.block_ids) for h in self._receiver.holds())
 
     def take_load_errors(self) -> set[int]:
+        """Blocks of failed receives (one KV-cache group), since the last call."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed(self) -> set[str]:
+        """Requests whose receive failed (several KV-cache groups), since
+        the last call; each is among those :meth:`get_finished` returned."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def close(self) -> None:
         self._heartbeats.close()

@@ -399,7 +399,7 @@ class Pipeline:
             self._counters.add("rejected.out_of_range")
             self._close(transfer, Cause.REJECTED, problem or "no peer")
             return
-        num_posted, total, problem = 0, groups.total(m.dst_block_ids), None
+        num_posted, total, problem = 0, len(groups.real(m.dst_block_ids)), None
         try:
             for peer, head_slice in peers:
                 digest = self._digest(transfer, write.notify, peer.layout, head_slice)

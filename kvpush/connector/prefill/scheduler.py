@@ -142,7 +142,10 @@ class PrefillScheduler:
         """This step's instructions for the worker; resets the accumulator."""
         self._note_preemptions(scheduler_output.preempted_req_ids or ())
         self._track_blocks(scheduler_output)
-        self._find_last_chunks(scheduler_output.num_scheduled_tokens)
+        self._find_last_chunks(
+            scheduler_output.num_scheduled_tokens,
+            getattr(scheduler_output, "kv_connector_block_state", None),
+        )
         meta, self._meta = self._meta, PrefillMetadata()
         return meta
 
@@ -173,12 +176,22 @@ class PrefillScheduler:
                 for ids, more in zip(state.block_ids, new_ids, strict=True):
                     ids.extend(more)
 
-    def _find_last_chunks(self, num_scheduled: dict[str, int]) -> None:
+    def _find_last_chunks(self, num_scheduled: dict[str, int], tables: Any) -> None:
         """Trigger the blocks this step completes, of each prefill request
-        it schedules (``num_computed_tokens`` is not advanced yet)."""
+        it schedules (``num_computed_tokens`` is not advanced yet).
+
+        The blocks come from vLLM's current tables (``tables``: the
+        scheduler output's ``kv_connector_block_state``) where vLLM offers
+        them: a sliding-window group lets go of the blocks its window has
+        left (the null block takes their place) without saying so in the
+        per-step ``new_block_ids``, so only the current table tells which
+        ids the request still holds. Otherwise those collected per step."""
         for rid, state in self._prefills.items():
             if state.final_sent or state.preempted or rid not in num_scheduled:
                 continue
+            current = None if tables is None else tables.get_block_ids(rid)
+            if current is not None:
+                state.block_ids = [list(g) for g in current]
             computed = state.request.num_computed_tokens
             prompt_len = state.request.num_prompt_tokens
             after = computed + num_scheduled[rid]
@@ -199,7 +212,7 @@ class PrefillScheduler:
         state.triggered, state.num_sent, state.final_sent = True, end, final
         src_block_ids = groups.span(groups.of(state.block_ids), start, end)
         if not state.push_over:  # else no rank writes it: dropped as an orphan
-            self._pin(state.request.request_id, groups.flat(src_block_ids))
+            self._pin(state.request.request_id, groups.real(src_block_ids))
         self._meta.triggers.append(
             PushTrigger(
                 req_id=state.request.request_id,
