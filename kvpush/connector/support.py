@@ -128,11 +128,9 @@ def _refuse(problems: list[str]) -> None:
 
 def check_model(vllm_config: Any) -> None:
     """Refuse, before vLLM groups the KV-cache layers, a model whose layers
-    kvpush cannot copy and that vLLM would stop on first with a message
-    that does not say why: a hybrid model with Mamba-style state layers
-    (vLLM needs a connector with ``SupportsHMA`` for them and otherwise
-    fails with "Failed to promote local KV cache specs to one unified
-    type")."""
+    kvpush cannot copy: a hybrid model with Mamba-style state layers
+    (refused here, where the model is known, rather than later by its
+    ``MambaSpec`` groups)."""
     model = getattr(vllm_config, "model_config", None)
     if getattr(model, "is_hybrid", False) is True:
         _refuse([f"model {getattr(model, 'model', '?')}: {_MAMBA_REASON}"])

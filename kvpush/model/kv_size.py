@@ -79,7 +79,8 @@ def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) 
     on: every block of a full-attention layer; of a sliding-window layer
     (``layer_types`` ``sliding_attention``, Gemma 3 and gpt-oss style) the
     blocks from the one holding the first token its window still reads
-    for the next token (token ``num_tokens - sliding_window + 1``) on.
+    for the next token (token ``num_tokens - sliding_window + 1``; one
+    earlier where that is a block's first token) on.
     What a push must write, no more (vLLM pads a last short group with
     unused layer slots, which a push also writes: not counted here)."""
     if num_tokens < 1 or block_size < 1:
@@ -93,6 +94,12 @@ def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) 
     )
     blocks = -(-num_tokens // block_size)
     window = config.get("sliding_window")
-    skipped = 0 if not window else max(0, num_tokens - int(window) + 1) // block_size
+    skipped = 0 if not window else max(0, num_tokens - int(window) + 1)
+    if skipped and skipped % block_size == 0:
+        # decode loads all but the last token and computes that one itself,
+        # its window reaching one block further back
+        # (kvpush.connector.config.rewind_reads_a_skipped_block)
+        skipped -= 1
+    skipped //= block_size
     kept = [blocks - skipped if k == "sliding_attention" else blocks for k in kinds]
     return sum(kept) * block_size * per_token // len(kinds)

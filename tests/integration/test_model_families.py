@@ -90,14 +90,15 @@ class TestKvPushSlidingWindow(FamilyChecks):
         "verify_kv": "all",
     }
 
+    @pytest.mark.parametrize("seed", [2501, 2503])  # 1023 (an edge) and 1028 tokens
     def test_pushes_only_the_blocks_decode_keeps(
-        self, pd_cluster: Cluster, model_dir: Path
+        self, pd_cluster: Cluster, model_dir: Path, seed: int
     ) -> None:
         """A prompt decode holds none of: the WRITEs carry every block of the
         full layers and only the window's blocks of the windowed ones."""
         name = names.KVPUSH_WRITE_BYTES.sum
         before = faults.instance_metric(pd_cluster, "prefill0", name)
-        prompt = workload.text_of(700, seed=2501)  # in no earlier request
+        prompt = workload.text_of(700, seed=seed)  # in no earlier request
         reply = workload.send(pd_cluster.url, *workload.completion(prompt, False, 2))
         assert reply.status == 200, reply.body
         num_tokens = int(reply.body["usage"]["prompt_tokens"])
@@ -115,6 +116,20 @@ class TestKvPushSlidingWindow(FamilyChecks):
                 break
             time.sleep(0.2)
         assert written == want, f"wrote {written} bytes, decode keeps {want}"
+
+    @pytest.mark.parametrize("num_tokens", [255, 383])
+    def test_a_window_starting_on_a_block_edge_equals_colocated(
+        self, pd_cluster: Cluster, num_tokens: int
+    ) -> None:
+        """``N - w + 1`` a multiple of the block: decode computes the last
+        prompt token (logprobs requests do) with the window vLLM's rewind
+        would have cut a block short (logprobs off by 0.13 before)."""
+        ids = [(i * 37 + num_tokens) % 3000 + 10 for i in range(num_tokens)]
+        path, body = workload.completion("", False, 8)
+        body["prompt"] = ids
+        want = workload.send(pd_cluster.instance_url("prefill0"), path, body)
+        got = workload.send(pd_cluster.url, path, body)
+        assert workload.mismatch(want, got) is None, workload.mismatch(want, got)
 
     # Declared again so that it runs after the check above.
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:

@@ -117,15 +117,19 @@ def _scheduler(model_dir: pathlib.Path, role: str, granularity: str) -> Schedule
     )
 
 
-def _request(params: dict[str, Any], rid: str = "r1") -> Request:
+def _request(
+    params: dict[str, Any], prompt: list[int] = PROMPT, max_tokens: int = 4
+) -> Request:
     init_none_hash(sha256)
     sampling = SamplingParams(
-        max_tokens=4, temperature=0.0, extra_args={"kv_transfer_params": params}
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_args={"kv_transfer_params": params},
     )
     sampling.update_from_generation_config({}, eos_token_id=2)
     return Request(
-        request_id=rid,
-        prompt_token_ids=list(PROMPT),
+        request_id="r1",
+        prompt_token_ids=list(prompt),
         sampling_params=sampling,
         pooling_params=None,
         block_hasher=get_request_block_hasher(BLOCK, sha256),
@@ -148,15 +152,14 @@ def _prefill(scheduler: Scheduler, request: Request) -> list[tuple[PushTrigger, 
     tables as vLLM held them in that step."""
     scheduler.add_request(request)
     seen = []
-    while request.num_computed_tokens < len(PROMPT):
+    n = request.num_prompt_tokens
+    while request.num_computed_tokens < n:  # one chunk a step
         out = scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, PrefillMetadata)
         tables = scheduler.kv_cache_manager.get_block_ids(request.request_id)
         seen += [(t, tables) for t in meta.triggers]
-        last = request.num_computed_tokens + out.num_scheduled_tokens["r1"] >= len(
-            PROMPT
-        )
+        last = request.num_computed_tokens >= n  # schedule() advanced it
         _finish_step(scheduler, out, {"r1": [77]} if last else {})
     return seen
 
@@ -202,7 +205,9 @@ def test_prefill_triggers_the_blocks_the_request_holds_and_pins_them(
         assert NULL not in window, "each chunk goes while its blocks are held"
 
 
-def _decode_registers(model_dir: pathlib.Path, monkeypatch: Any) -> Any:
+def _decode_registers(
+    model_dir: pathlib.Path, monkeypatch: Any, prompt: list[int] = PROMPT
+) -> Any:
     scheduler = _scheduler(model_dir, "kv_consumer", "request")
     decode = scheduler.connector._decode  # type: ignore[union-attr]
     sent: list[Any] = []
@@ -215,7 +220,7 @@ def _decode_registers(model_dir: pathlib.Path, monkeypatch: Any) -> Any:
         prefill_host="127.0.0.1",
         prefill_port=5601,
     )
-    scheduler.add_request(_request(leg.to_dict()))
+    scheduler.add_request(_request(leg.to_dict(), prompt))
     scheduler.schedule()
     (registration,) = sent
     return registration
@@ -235,25 +240,62 @@ def test_decode_registers_null_blocks_where_its_window_keeps_none(
     assert 1 <= len(kept) <= WINDOW // BLOCK + 1
 
 
-@pytest.mark.parametrize("granularity", ["chunk", "request"])
-def test_prefill_holds_every_block_decode_keeps(
-    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, granularity: str
+EDGE = 11 * BLOCK + WINDOW - 1  # N - w + 1 on a block edge: 207 tokens
+
+
+@pytest.mark.parametrize(("num_tokens", "kept_from"), [(len(PROMPT), 10), (EDGE, 10)])
+def test_decode_keeps_the_blocks_its_first_step_reads(
+    model_dir: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    num_tokens: int,
+    kept_from: int,
 ) -> None:
-    registration = _decode_registers(model_dir, monkeypatch)
-    prefill = _scheduler(model_dir, "kv_producer", granularity)
-    seen = _prefill(
-        prefill,
-        _request(PrefillLeg(transfer_id="t1", decode_engine_id="d0").to_dict()),
+    """vLLM computes the prompt's last token (``N - 1``) again on decode,
+    its window reaching token ``N - w``. On the edge (``N - w + 1`` a
+    multiple of the block) a whole-prompt load would leave that token's
+    block out: decode loads all but the last token there instead."""
+    registration = _decode_registers(
+        model_dir, monkeypatch, list(range(3, 3 + num_tokens))
     )
+    window = registration.dst_block_ids[0]
+    assert next(i for i, b in enumerate(window) if b != NULL) == kept_from
+    assert (num_tokens - WINDOW) // BLOCK == kept_from, "token N - w is kept"
+
+
+@pytest.mark.parametrize("granularity", ["chunk", "request"])
+@pytest.mark.parametrize(
+    "num_tokens",
+    [len(PROMPT), EDGE],
+)
+def test_prefill_holds_every_block_decode_keeps_past_its_finish(
+    model_dir: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    granularity: str,
+    num_tokens: int,
+) -> None:
+    """vLLM frees a finished request's windowed blocks below token
+    ``N - w + 1`` before kvpush's finish hook runs; decode, computing token
+    ``N - 1`` again, may keep the block holding ``N - w``. Every block
+    decode keeps is in prefill's triggers and still allocated (pinned)
+    once prefill's request finished."""
+    prompt = list(range(3, 3 + num_tokens))
+    registration = _decode_registers(model_dir, monkeypatch, prompt)
+    prefill = _scheduler(model_dir, "kv_producer", granularity)
+    leg = PrefillLeg(transfer_id="t1", decode_engine_id="d0").to_dict()
+    request = _request(leg, prompt, max_tokens=1)
+    seen = _prefill(prefill, request)
+    assert request.is_finished(), "vLLM finished it (and freed what it let go)"
     src = groups.of(
         [[b for t, _ in seen for b in t.src_block_ids[g]] for g in range(2)]
     )
     dst = registration.dst_block_ids
+    n = -(-num_tokens // BLOCK)
 
-    s, d = groups.aligned(src, dst, 0, NUM_BLOCKS, 0)
+    s, d = groups.aligned(src, dst, 0, n, 0)
 
     assert d == tuple(tuple(b for b in g if b != NULL) for g in dst)
-    assert NULL not in groups.flat(s)
+    for b in groups.real(s):
+        assert _pool(prefill).blocks[b].ref_cnt >= 1, f"block {b} was freed"
 
 
 def test_several_groups_push_per_chunk_never_per_layer() -> None:

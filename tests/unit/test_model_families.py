@@ -358,8 +358,8 @@ def test_hybrid_keeps_mamba_state_groups_that_kvpush_refuses_by_name(hf_configs)
 
 
 def test_hybrid_without_the_hybrid_manager_fails_in_vllm_before_kvpush(hf_configs):
-    # what a connector without SupportsHMA (kvpush's) gets: EngineCore stops
-    # while grouping, before any connector is built
+    # with --disable-hybrid-kv-cache-manager (or a connector without
+    # SupportsHMA): EngineCore stops while grouping, before any connector
     with pytest.raises(ValueError, match="Failed to promote local KV cache specs"):
         vllm_groups("hybrid", hf_configs["hybrid"], hma=False)
 

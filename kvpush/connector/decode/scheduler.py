@@ -63,7 +63,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.config import ConnectorConfig, rewind_reads_a_skipped_block
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource, outbound
 from kvpush.connector.legs import Legs
@@ -137,7 +137,12 @@ class DecodeScheduler:
             logger.error("kvpush: serving %s locally: %s", rid, problem)
             self._give_up(rid, leg, problem)
             return 0, False
-        num_external = pushed_tokens(request, leg) - num_computed_tokens
+        pushed = pushed_tokens(request, leg)
+        num_external = pushed - num_computed_tokens
+        if pushed == request.num_prompt_tokens and rewind_reads_a_skipped_block(
+            self.config.kv_groups, pushed, self.config.block_size
+        ):
+            num_external -= 1  # vLLM computes the last token, its window whole
         if num_external <= 0:
             self._give_up(rid, leg, "decode holds the whole prompt")
             return 0, False
