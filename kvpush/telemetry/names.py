@@ -111,7 +111,7 @@ KV_CACHE_USAGE = _vllm("vllm:kv_cache_usage_perc", Kind.GAUGE)  # a fraction
 # ``num_gpu_blocks``: the usable blocks plus vLLM's null block (the labels
 # kvpush reads are listed; vLLM's model_name is not among its labels).
 CACHE_CONFIG_INFO = Family(
-    "vllm:cache_config_info", Kind.GAUGE, ("num_gpu_blocks",), ("engine",)
+    "vllm:cache_config_info", Kind.GAUGE, ("num_gpu_blocks", "block_size"), ("engine",)
 )
 REQUEST_SUCCESS = _vllm("vllm:request_success", Kind.COUNTER, "finished_reason")
 NIXL_XFER_TIME = _vllm("vllm:nixl_xfer_time_seconds", Kind.HISTOGRAM)

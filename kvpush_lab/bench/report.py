@@ -307,6 +307,7 @@ def _point_section(summary: BenchSummary, info: PointInfo, prefix: str = "") -> 
     stats = {n: summary.stats(n, info.index) for n in names}
     parts = [head, point_table(stats), _burst_note(stats), ratio_table(stats)]
     parts.append(_handover_section(summary, info.index))
+    parts.append(_kv_bytes_section(summary, info.index))
     parts.append(_background_note(summary, info.index))
     return "\n\n".join(p for p in parts if p)
 
@@ -407,6 +408,31 @@ def _handover_section(summary: BenchSummary, point: int) -> str:
             f"{', '.join(client_only)}: client view only (no server timelines)."
         )
     return "\n\n".join(parts)
+
+
+def _kv_bytes_section(summary: BenchSummary, point: int) -> str:
+    """KV bytes each P/D configuration moved per request (kv_bytes)."""
+    rows = []
+    for config in summary.configs:
+        result = config.point(point) if config.status == "ok" else None
+        kv = result.kv_bytes if result is not None else None
+        if kv is None:
+            continue
+        need = "–" if kv.needed is None else f"{kv.needed / 2**20:.3f}"
+        of = "–" if kv.of_needed is None else f"{kv.of_needed:.2f}"
+        moved = f"{kv.written / 2**20:.3f}"
+        rows.append([config.label, str(kv.num_requests), moved, need, of])
+    if not rows:
+        return ""
+    header = ["config", "requests", "MiB moved / request", "MiB decode needs", "÷ need"]
+    return (
+        "KV bytes per answered request: what the connector moved (kvpush's "
+        "`vllm:kvpush_write_bytes`, vLLM's `vllm:nixl_bytes_transferred`, "
+        "read around the point) against what decode needs "
+        "(`kvpush.model.kv_size.pushed_bytes`: whole blocks of full layers, a "
+        "window's blocks of windowed ones; MLA once per decode rank).\n\n"
+        + table(header, rows)
+    )
 
 
 def handover_table(handover: HandoverStats) -> str:

@@ -59,6 +59,7 @@ from kvpush_lab.bench.inputs import (
     normal_token_ids,
     resolve_model,
 )
+from kvpush_lab.bench.kv_bytes import KvBytes, kv_bytes
 from kvpush_lab.bench.links import LinkUsage, link_usage
 from kvpush_lab.bench.meters import Meters, read_meters
 from kvpush_lab.bench.names import (
@@ -601,6 +602,7 @@ def _result(
             load=monitor.load(marks[w], marks[w + 1]),
             links=_links(plan, state, measured.meters, w, records),
             bandwidth=_bandwidth(run, state, measured.meters, w, records, traced),
+            kv_bytes=_kv_bytes(plan, measured.meters, w, records),
             bindings=scenario.point_bindings(records),
             overlap=summarize_overlap(
                 transfers_in_window(traced.transfers, wall_window(records)),
@@ -624,6 +626,24 @@ def _result(
         background=scenario.background_result(measured.background),
         shared_cluster=run.is_shared,
         churn=churn_result(measured.outcome.churn) if measured.outcome.churn else None,
+    )
+
+
+def _kv_bytes(
+    plan: Plan, meters: Meters, i: int, records: list[RequestRecord]
+) -> KvBytes | None:
+    """The KV bytes moved per answered request in the window from reading
+    ``i``, and decode's need (None off P/D, or without readings)."""
+    before, after = meters.kv_moved[i], meters.kv_moved[i + 1]
+    if before is None or after is None:
+        return None
+    return kv_bytes(
+        after - before,
+        [r.prompt_tokens or r.prompt_len for r in records if r.is_ok],
+        plan.model,
+        plan.dtype,
+        meters.block_size[i],
+        plan.config.decode_tp,
     )
 
 

@@ -15,6 +15,7 @@ from kvpush_lab.bench.bandwidth import BandwidthStats
 from kvpush_lab.bench.bindings import BindingMix
 from kvpush_lab.bench.fragment import ChurnResult, FragmentPoint
 from kvpush_lab.bench.goodput import Goodput
+from kvpush_lab.bench.kv_bytes import KvBytes
 from kvpush_lab.bench.links import LinkUsage
 from kvpush_lab.bench.overlap import OverlapStats
 from kvpush_lab.bench.resources import InstanceUsage, WindowLoad
@@ -36,6 +37,7 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     load: WindowLoad | None = None
     links: LinkUsage | None = None  # --hosts netns: bytes over the links
     bandwidth: BandwidthStats | None = None  # per KV transfer
+    kv_bytes: KvBytes | None = None  # KV moved per request, against decode's need
     bindings: BindingMix | None = None  # by the router's response headers
     overlap: OverlapStats | None = None  # kvpush: transfer vs. last forward
     router: RouterLegs | None = None  # the router's legs (P/D modes)

@@ -7,6 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvpush_lab.bench.kv_bytes import KvBytes
 from kvpush_lab.bench.outputs import publish, write_outputs
 from kvpush_lab.bench.report import render_report
 from kvpush_lab.bench.resources import InstanceUsage, WindowLoad
@@ -95,7 +96,12 @@ def summary() -> BenchSummary:
         ],
         configs=[
             ok("colocated", 50.0, 3.0),
-            ok("vllm-pull", 100.0, 4.0),
+            ok(
+                "vllm-pull",
+                100.0,
+                4.0,
+                kv_bytes=KvBytes(num_requests=4, written=3 * 2**20, needed=1.5 * 2**20),
+            ),
             ok("vllm-push", 75.0, 3.0, handover=handover()),
             ConfigResult(name="kvpush", status="skipped", reason="not available yet"),
         ],
@@ -130,6 +136,12 @@ def test_handover_where_timelines_exist_client_view_elsewhere() -> None:
         "Background CPU (other processes on the machine, mean cores of 2): "
         "colocated 0.30, vllm-pull 0.30, vllm-push 0.30." in section
     )
+
+
+def test_kv_bytes_per_request_against_the_need() -> None:
+    section = render_report(summary()).split("## qps 1.0")[1].split("## qps 2.0")[0]
+    assert "| vllm-pull | 4 | 3.000 | 1.500 | 2.00 |" in section
+    assert "| vllm-push |" not in section.split("KV bytes per answered request")[1]
 
 
 def test_skipped_configs_resources_and_plots_are_reported() -> None:
