@@ -41,6 +41,7 @@ from kvpush.transfer.messages import (
     Registration,
     claim_digest,
 )
+from tests.fakes.fake_block_tables import BlockState, apply
 from tests.fakes.fake_nixl import FakePeers, leftovers
 
 BS = 128
@@ -101,6 +102,15 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedReqs = field(default_factory=CachedReqs)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted_req_ids: set[str] | None = None
+    applied: bool = False  # its allocations are in fake_block_tables
+
+    @property
+    def kv_connector_block_state(self) -> BlockState:
+        """vLLM's current tables once this step allocated."""
+        if not self.applied:
+            apply(self)
+            self.applied = True
+        return BlockState()
 
 
 def config_for(role: str, trace_dir: str = "", tp_size: int = 1) -> ConnectorConfig:

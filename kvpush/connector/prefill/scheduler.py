@@ -67,6 +67,7 @@ from kvpush.connector.trace import Tracer
 from kvpush.connector.vllm_params import VllmPrefill
 from kvpush.side_channel_auth import is_wildcard
 from kvpush.transfer import groups
+from kvpush.transfer.groups import Groups
 from kvpush.transfer.messages import PrefillLeg
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,6 @@ class _Prefill:
 
     request: Any
     leg: PrefillLeg
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     triggered: bool = False  # a first chunk went to the worker
     num_sent: int = 0  # prompt blocks handed to the worker
     final_sent: bool = False  # the last chunk went to the worker
@@ -141,10 +141,9 @@ class PrefillScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> PrefillMetadata:
         """This step's instructions for the worker; resets the accumulator."""
         self._note_preemptions(scheduler_output.preempted_req_ids or ())
-        self._track_blocks(scheduler_output)
         self._find_last_chunks(
             scheduler_output.num_scheduled_tokens,
-            getattr(scheduler_output, "kv_connector_block_state", None),
+            scheduler_output.kv_connector_block_state,
         )
         meta, self._meta = self._meta, PrefillMetadata()
         return meta
@@ -159,50 +158,36 @@ class PrefillScheduler:
             self.counters.add("preempted.after_trigger")
             self._meta.preempted.append(PreemptedPush(rid, state.leg.transfer_id))
 
-    def _track_blocks(self, out: Any) -> None:
-        for new in out.scheduled_new_reqs:
-            state = self._prefills.get(new.req_id)
-            if state is not None:
-                state.block_ids = [list(g) for g in new.block_ids]
-        cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            state = self._prefills.get(rid)
-            new_ids = cached.new_block_ids[i]
-            if state is None or new_ids is None:
-                continue
-            if rid in cached.resumed_req_ids or not state.block_ids:
-                state.block_ids = [list(g) for g in new_ids]
-            else:
-                for ids, more in zip(state.block_ids, new_ids, strict=True):
-                    ids.extend(more)
-
     def _find_last_chunks(self, num_scheduled: dict[str, int], tables: Any) -> None:
         """Trigger the blocks this step completes, of each prefill request
         it schedules (``num_computed_tokens`` is not advanced yet).
 
         The blocks come from vLLM's current tables (``tables``: the
-        scheduler output's ``kv_connector_block_state``) where vLLM offers
-        them: a sliding-window group lets go of the blocks its window has
-        left (the null block takes their place) without saying so in the
-        per-step ``new_block_ids``, so only the current table tells which
-        ids the request still holds. Otherwise those collected per step."""
+        scheduler output's ``kv_connector_block_state``, offered for every
+        request the step schedules): a sliding-window group lets go of the
+        blocks its window has left (the null block takes their place)
+        without saying so in the per-step ``new_block_ids``, so only the
+        current table tells which ids the request still holds."""
         for rid, state in self._prefills.items():
             if state.final_sent or state.preempted or rid not in num_scheduled:
                 continue
-            current = None if tables is None else tables.get_block_ids(rid)
-            if current is not None:
-                state.block_ids = [list(g) for g in current]
-            computed = state.request.num_computed_tokens
             prompt_len = state.request.num_prompt_tokens
-            after = computed + num_scheduled[rid]
+            after = state.request.num_computed_tokens + num_scheduled[rid]
             if after >= prompt_len:
-                self._trigger(state, math.ceil(prompt_len / self.config.block_size))
+                end = math.ceil(prompt_len / self.config.block_size)
             elif self._streamed:
-                self._trigger(state, after // self.config.block_size)
+                end = after // self.config.block_size
+            else:
+                continue
+            current = tables.get_block_ids(rid)
+            if current is None:  # vLLM offers every scheduled request's
+                raise RuntimeError(f"vLLM offered no block table for {rid}")
+            self._trigger(state, end, current)
 
-    def _trigger(self, state: _Prefill, end: int) -> None:
-        """Hand prompt blocks ``num_sent..end-1`` to the worker (the last
-        trigger: ``end`` is the prompt's block count)."""
+    def _trigger(self, state: _Prefill, end: int, tables: Groups) -> None:
+        """Hand prompt blocks ``num_sent..end-1`` of ``tables`` (vLLM's,
+        one per KV-cache group) to the worker (the last trigger: ``end`` is
+        the prompt's block count)."""
         final = end == math.ceil(
             state.request.num_prompt_tokens / self.config.block_size
         )
@@ -210,7 +195,7 @@ class PrefillScheduler:
         if end <= start:
             return
         state.triggered, state.num_sent, state.final_sent = True, end, final
-        src_block_ids = groups.span(groups.of(state.block_ids), start, end)
+        src_block_ids = groups.span(tables, start, end)
         if not state.push_over:  # else no rank writes it: dropped as an orphan
             self._pin(state.request.request_id, groups.real(src_block_ids))
         self._meta.triggers.append(
