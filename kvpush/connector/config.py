@@ -81,6 +81,7 @@ binds anything but loopback refuses to start without it unless
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from dataclasses import dataclass, replace
@@ -117,6 +118,11 @@ class KvGroup:
     layers: tuple[str, ...] = ()
     window: int = 0
 
+    @property
+    def is_state(self) -> bool:
+        """A group of per-request state (Mamba), one block a request."""
+        return self.kind.startswith("state:")
+
 
 def rewind_reads_a_skipped_block(
     groups: tuple[KvGroup, ...], num_tokens: int, block_size: int
@@ -145,10 +151,14 @@ ONE_FULL_GROUP = (KvGroup("full"),)
 def kv_group_kind(spec: Any) -> str:
     """What a group's KV-cache spec means for a copy: ``full`` (every
     token kept), ``mla`` (one latent per token), ``sliding_window:<tokens>``
-    (only the window kept); any other spec by its class name (refused by
-    :mod:`kvpush.connector.support`). Both sides must group alike."""
+    (only the window kept), ``state:<mamba type>:<digest>`` (a Mamba
+    layer's per-request state, one page a request; the digest names its
+    shapes, dtypes, mode and padding); any other spec by its class name
+    (refused by :mod:`kvpush.connector.support`). Both sides must group
+    alike."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -159,6 +169,14 @@ def kv_group_kind(spec: Any) -> str:
         return "mla"
     if type(spec) is SlidingWindowSpec:
         return f"sliding_window:{spec.sliding_window}"
+    if type(spec) is MambaSpec:
+        # what the page's bytes mean: the state shapes (their order is the
+        # conv layout), dtypes, cache mode and padding; both sides alike
+        meaning = repr(
+            (spec.shapes, spec.dtypes, spec.mamba_cache_mode, spec.page_size_padded)
+        )
+        digest = hashlib.sha256(meaning.encode()).hexdigest()[:8]
+        return f"state:{spec.mamba_type.name.lower()}:{digest}"
     return type(spec).__name__
 
 

@@ -74,6 +74,13 @@ def layout_of(
     naming the layer."""
     if not kv_caches:
         raise ValueError("vLLM registered no KV-cache tensors; nothing to map")
+    states = {n for g in groups if g.is_state for n in g.layers}
+    all_caches, kv_caches = (
+        kv_caches,
+        {n: t for n, t in kv_caches.items() if n not in states},
+    )
+    if not kv_caches:
+        raise ValueError("vLLM registered no attention KV cache; nothing to map")
     if block_size < 1 or num_blocks < 1:
         raise ValueError(f"block_size {block_size} and num_blocks {num_blocks}")
     layers = _distinct(kv_caches)
@@ -87,7 +94,15 @@ def layout_of(
         base_addrs.extend(region.data_ptr() for region in regions)
     _check_disjoint(base_addrs, num_blocks * block_bytes)
     if len(groups) > 1:
-        _check_groups_alias(kv_caches, groups)
+        _check_groups_alias(kv_caches, [g for g in groups if not g.is_state])
+    if states and len(first_regions) != 1:
+        raise ValueError(
+            "state layers beside K and V kept apart: kvpush maps state pages "
+            "in caches of one region per layer"
+        )
+    for g in groups:
+        for k, name in enumerate(g.layers if g.is_state else ()):
+            _check_state_view(name, all_caches.get(name), base_addrs, k, block_bytes)
     return KvLayout(
         num_blocks=num_blocks,
         block_bytes=block_bytes,
@@ -98,6 +113,28 @@ def layout_of(
         kv_dtype=_dtype_name(first.dtype, cache_dtype),
         kv_groups=tuple(g.kind for g in groups),
     )
+
+
+def _check_state_view(
+    name: str,
+    view: torch.Tensor | None,
+    base_addrs: list[int],
+    slot: int,
+    block_bytes: int,
+) -> None:
+    """A state layer's cache (vLLM's one byte view of a Mamba layer's
+    pages, ``[blocks, 1, 1, state bytes]``) is layer slot ``slot``'s memory,
+    block for block: a whole-block copy of the slot copies its state."""
+    if view is None or slot >= len(base_addrs):
+        raise ValueError(f"state layer {name}: no cache, or no layer slot {slot}")
+    page = view.stride(0) * view.element_size()
+    content = view[0].numel() * view.element_size()
+    if view.data_ptr() != base_addrs[slot] or page != block_bytes or content > page:
+        raise ValueError(
+            f"state layer {name} ({tuple(view.shape)}, strides {view.stride()}) "
+            f"is not slot {slot}'s blocks of {block_bytes} bytes: kvpush maps "
+            "state pages that share the attention layers' allocation"
+        )
 
 
 def _check_groups_alias(

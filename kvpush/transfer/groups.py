@@ -113,3 +113,30 @@ def aligned(
         tuple(tuple(s for s, _ in group) for group in pairs),
         tuple(tuple(d for _, d in group) for group in pairs),
     )
+
+
+def prompt_view(
+    tables: Groups, is_state: Sequence[bool], num_blocks: int
+) -> GroupBlocks:
+    """vLLM's tables (one per group) as prompt blocks ``0..num_blocks-1``.
+
+    A state group (Mamba: one block a request, holding the state after the
+    tokens computed so far) stands as prompt block ``num_blocks - 1``, the
+    null block before it: only a span that completes the prompt pairs it,
+    so it goes once, with the last block, after the last chunk's forward.
+    Other groups are as vLLM keeps them. ``ValueError`` for a state group
+    that does not hold exactly one real block."""
+    if len(tables) != len(is_state):
+        raise ValueError(f"{len(tables)} tables for {len(is_state)} groups")
+    view = []
+    for g, (table, state) in enumerate(zip(tables, is_state, strict=True)):
+        if not state:
+            view.append(tuple(table))
+            continue
+        held = [b for b in table if b != NULL_BLOCK]
+        if len(held) != 1 or num_blocks < 1:
+            raise ValueError(
+                f"state group {g} holds {len(held)} blocks; kvpush copies one"
+            )
+        view.append((NULL_BLOCK,) * (num_blocks - 1) + (held[0],))
+    return tuple(view)

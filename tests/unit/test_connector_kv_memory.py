@@ -216,3 +216,93 @@ def test_a_shape_where_blocks_and_k_v_cannot_be_told_apart_is_refused():
 
 def test_no_caches_at_all_are_refused():
     assert "no KV-cache tensors" in refusal({})
+
+
+# -- Mamba state pages (vLLM's hybrid manager, prefix caching off) ---------------
+
+
+def hybrid_caches() -> tuple[dict[str, torch.Tensor], tuple[KvGroup, ...]]:
+    """What vLLM 0.32's own grouping and allocation give the ``hybrid``
+    preset (Nemotron-H, ``M-*-M-``, mode 'none'): two Mamba groups and one
+    attention group, one slot, all three views at one address."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, ParallelConfig
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvpush.connector.config import kv_groups_of
+
+    def mamba() -> MambaSpec:
+        return MambaSpec(
+            block_size=4096,
+            shapes=((3, 544), (16, 32, 16)),
+            dtypes=(torch.float32, torch.float32),
+            page_size_padded=131072,
+            mamba_cache_mode="none",
+        )
+
+    specs = {
+        "model.layers.0.mixer": mamba(),
+        "model.layers.2.mixer.attn": FullAttentionSpec(
+            block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32
+        ),
+        "model.layers.4.mixer": mamba(),
+    }
+    cache = CacheConfig(block_size=128)
+    cache.kv_cache_layout = "LBHNC"
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        speculative_config=None,
+        cache_config=cache,
+        parallel_config=ParallelConfig(),
+        model_config=SimpleNamespace(dtype=torch.float32, max_model_len=4096),
+    )
+    groups = get_kv_cache_groups(config, specs)
+    kv_config = get_kv_cache_config_from_groups(config, groups, 16 * 131072)
+    caches = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    return caches, kv_groups_of(kv_config)
+
+
+def test_mamba_state_pages_are_mapped_as_the_attention_slot_they_share():
+    caches, groups = hybrid_caches()
+    assert [g.is_state for g in groups] == [True, True, False]
+    layout = layout_of(caches, 128, 16, groups=groups)
+    attention = caches["model.layers.2.mixer.attn"]
+    assert layout.num_layers == 1 and layout.block_bytes == 131072
+    assert layout.base_addrs == (attention.data_ptr(),)
+    assert layout.kv_groups == tuple(g.kind for g in groups)
+    assert groups[0].kind == groups[1].kind
+    assert groups[0].kind.startswith("state:mamba2:")
+
+
+def test_state_pages_of_another_meaning_are_another_kind():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvpush.connector.config import kv_group_kind
+
+    def kind(shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> str:
+        spec = MambaSpec(
+            block_size=4096,
+            shapes=shapes,
+            dtypes=(dtype, dtype),
+            page_size_padded=131072,
+        )
+        return kv_group_kind(spec)
+
+    sd = kind(((3, 544), (16, 32, 16)), torch.float32)
+    assert sd != kind(((544, 3), (16, 32, 16)), torch.float32), "conv layout DS"
+    assert sd != kind(((3, 544), (16, 32, 16)), torch.bfloat16)
+
+
+def test_a_state_page_elsewhere_is_refused_naming_the_layer():
+    caches, groups = hybrid_caches()
+    caches["model.layers.4.mixer"] = torch.zeros_like(caches["model.layers.4.mixer"])
+    with pytest.raises(ValueError, match=r"state layer model.layers.4.mixer"):
+        layout_of(caches, 128, 16, groups=groups)

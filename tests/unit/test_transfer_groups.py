@@ -107,3 +107,19 @@ def test_null_blocks_are_not_real_ids() -> None:
     assert groups.real(((null, 3), (null, null, 4))) == (3, 4)
     assert groups.distinct_problem(((null, 3), (null, 4))) is None
     assert groups.distinct_problem(((3,), (3,))) is not None
+
+
+def test_a_state_group_goes_with_the_prompts_last_block_only():
+    null = groups.NULL_BLOCK
+    src = groups.prompt_view(((41,), (1, 2, 3)), (True, False), 3)
+    dst = groups.prompt_view(((51,), (11, 12, 13)), (True, False), 3)
+    assert src == ((null, null, 41), (1, 2, 3))
+    first, _ = groups.aligned(src, dst, 0, 2, 0)  # an earlier chunk
+    last = groups.aligned(src, dst, 2, 3, 0)  # the chunk that ends the prompt
+    assert first == ((), (1, 2))
+    assert last == (((41,), (3,)), ((51,), (13,)))
+
+
+def test_a_state_group_of_other_than_one_block_is_refused():
+    with pytest.raises(ValueError, match="state group 0 holds 2 blocks"):
+        groups.prompt_view(((4, 5), (1, 2)), (True, False), 2)
