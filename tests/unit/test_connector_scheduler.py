@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.config import ConnectorConfig, KvGroup
 from kvpush.connector.decode.scheduler import DecodeScheduler
 from kvpush.connector.metadata import (
     DecodeMetadata,
@@ -556,9 +556,13 @@ def test_push_is_triggered_in_the_step_computing_the_last_prompt_token(prefill):
     assert after.triggers == [], "triggered once"
 
 
-def test_prefill_tracks_one_list_per_group_and_triggers_each(prefill):
+def test_prefill_tracks_one_list_per_group_and_triggers_each():
     """vLLM's tables per KV-cache group (two here): each is followed as
     vLLM extends it, and the trigger carries every group's blocks."""
+    two = (KvGroup("sliding_window:128"), KvGroup("full"))
+    prefill = PrefillScheduler(
+        replace(config_for("prefill"), push_granularity="request", kv_groups=two)
+    )
     req = FakeRequest("r2", PREFILL_PARAMS)
     admit(prefill, req)
     out = SchedulerOutput(scheduled_new_reqs=[NewReq("r2", ([1, 2], [21, 22]), 0)])

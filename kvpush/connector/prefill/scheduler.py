@@ -117,6 +117,8 @@ class PrefillScheduler:
         self._pool: Any = None  # vLLM's BlockPool (bind_block_pool)
         self._meta = PrefillMetadata()
         self._streamed = config.streams
+        self._is_state = tuple(g.is_state for g in config.kv_groups)
+        self._refused: set[str] = set()  # legs whose push was refused at admission
 
     def bind_block_pool(self, pool: Any) -> None:
         """vLLM's GPU block pool (``bind_gpu_block_pool``, called once the
@@ -133,10 +135,19 @@ class PrefillScheduler:
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        """Start following a prefill request's blocks."""
+        """Start following a prefill request's blocks. With state groups
+        (Mamba) only a leg that ends at its first token: another forward
+        would overwrite the state in place while a WRITE reads it."""
         leg = self._legs.of(request)
-        if isinstance(leg, PrefillLeg) and request.request_id not in self._prefills:
-            self._prefills[request.request_id] = _Prefill(request, leg)
+        rid = request.request_id
+        if not isinstance(leg, PrefillLeg) or rid in self._prefills:
+            return
+        if self._is_state.count(True) and request.max_tokens > 1:
+            self.counters.add("rejected.state_would_change")
+            self._meta.cancels.append(leg.transfer_id)
+            self._refused.add(rid)
+            return
+        self._prefills[rid] = _Prefill(request, leg)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefillMetadata:
         """This step's instructions for the worker; resets the accumulator."""
@@ -182,7 +193,8 @@ class PrefillScheduler:
             current = tables.get_block_ids(rid)
             if current is None:  # vLLM offers every scheduled request's
                 raise RuntimeError(f"vLLM offered no block table for {rid}")
-            self._trigger(state, end, current)
+            n = math.ceil(prompt_len / self.config.block_size)
+            self._trigger(state, end, groups.prompt_view(current, self._is_state, n))
 
     def _trigger(self, state: _Prefill, end: int, tables: Groups) -> None:
         """Hand prompt blocks ``num_sent..end-1`` of ``tables`` (vLLM's,
@@ -222,7 +234,8 @@ class PrefillScheduler:
         self._legs.forget(rid)
         state = self._prefills.pop(rid, None)
         self._let_go(rid)
-        if not isinstance(leg, PrefillLeg):
+        if not isinstance(leg, PrefillLeg) or rid in self._refused:
+            self._refused.discard(rid)
             return False, None
         if not self._keeps_blocks(rid, leg, state):
             return False, None

@@ -1,0 +1,103 @@
+"""Mamba state groups through vLLM's real ``Scheduler`` and the real
+``KvPushConnector`` (prefill): a state group (one block a request, its
+state updated in place by every forward) beside a full-attention group,
+prefix caching off (vLLM's mode 'none'), a 200-token prompt in 64-token
+chunks. Work in progress (``plans/mamba.md``): support.py still refuses
+state groups, so the tests lift the refusal."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.structured_output import StructuredOutputManager
+
+import kvpush.connector.connector as connector_module
+from kvpush.connector.metadata import PrefillMetadata
+from kvpush.model import make_model
+from kvpush.transfer import groups
+from kvpush.transfer.messages import PrefillLeg
+from tests.unit import test_connector_hma as hma
+from tests.unit.test_model import SMALL
+
+NULL = groups.NULL_BLOCK
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_model(tmp_path_factory.mktemp("hma_state") / "model", SMALL)
+
+
+def _prefill(model_dir: pathlib.Path, monkeypatch: Any, granularity: str) -> Scheduler:
+    monkeypatch.setattr(connector_module, "check_supported", lambda *a: None)
+    config = hma._scheduler(model_dir, "kv_producer", granularity).vllm_config
+    config.cache_config.enable_prefix_caching = False
+    state = MambaSpec(
+        block_size=hma.MAX_MODEL_LEN,
+        shapes=((3, 64), (2, 16, 8)),
+        dtypes=(torch.float32, torch.float32),
+        page_size_padded=PAGE,
+        mamba_cache_mode="none",
+    )
+    full = FullAttentionSpec(
+        block_size=hma.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32
+    )
+    kv = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.mixer"], state),
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
+        ],
+        kv_cache_layout="LBHNC",
+    )
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=hma.MAX_MODEL_LEN,  # the lcm of the groups' block sizes
+    )
+
+
+@pytest.mark.parametrize("granularity", ["chunk", "request"])
+def test_the_state_goes_once_with_the_prompts_last_block(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, granularity: str
+) -> None:
+    scheduler = _prefill(model_dir, monkeypatch, granularity)
+    leg = PrefillLeg(transfer_id="t1", decode_engine_id="d0").to_dict()
+    request = hma._request(leg, max_tokens=1)
+
+    seen = hma._prefill(scheduler, request)
+
+    (state_block,) = groups.real(seen[0][1][:1])  # vLLM's one state block
+    last = seen[-1][0]
+    assert last.final and last.src_block_ids[0][-1] == state_block
+    earlier = [b for t, _ in seen[:-1] for b in t.src_block_ids[0]]
+    assert set(earlier) <= {NULL}, "never before the last chunk's forward"
+    assert set(last.src_block_ids[0][:-1]) <= {NULL}
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.blocks[state_block].ref_cnt >= 1, "pinned past the finish"
+
+
+def test_a_leg_that_would_forward_again_is_not_pushed(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler = _prefill(model_dir, monkeypatch, "chunk")
+    leg = PrefillLeg(transfer_id="t1", decode_engine_id="d0").to_dict()
+    scheduler.add_request(hma._request(leg, max_tokens=4))
+
+    out = scheduler.schedule()
+
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, PrefillMetadata)
+    assert meta.triggers == [] and meta.cancels == ["t1"]
