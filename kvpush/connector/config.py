@@ -247,6 +247,9 @@ class ConnectorConfig:
     of_both: bool = False
     # vLLM's KV-cache groups (kv_cache_config.kv_cache_groups), in its order
     kv_groups: tuple[KvGroup, ...] = ONE_FULL_GROUP
+    # decode: vLLM runs kvpush's scheduler class (a request may continue
+    # from prefill's first token, kvpush.connector.decode.first_token)
+    continues_from_t1: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -411,10 +414,26 @@ class ConnectorConfig:
                 control_dir=_control_dir(extra),
                 of_both=False,  # sides() makes those
                 kv_groups=kv_groups_of(kv_cache_config),
+                continues_from_t1=_continues_from_t1(vllm_config),
                 **durations,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad KvPushConnector config: {e}") from e
+
+
+def _continues_from_t1(vllm_config: Any) -> bool:
+    """vLLM's scheduler class is kvpush's (``--scheduler-cls``)."""
+    from kvpush.connector.decode.first_token import FirstTokenMixin
+
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    get_cls = getattr(scheduler, "get_scheduler_cls", None)
+    if not callable(get_cls):
+        return False
+    try:
+        cls = get_cls()
+    except (ImportError, ValueError):  # vLLM reports a bad class itself
+        return False
+    return isinstance(cls, type) and issubclass(cls, FirstTokenMixin)
 
 
 def _engine_port(extra: dict[str, Any], parallel: Any) -> int:

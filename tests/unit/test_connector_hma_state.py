@@ -22,10 +22,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.structured_output import StructuredOutputManager
 
 import kvpush.connector.connector as connector_module
+from kvpush.connector.decode.first_token import KvPushScheduler
 from kvpush.connector.metadata import PrefillMetadata
 from kvpush.model import make_model
 from kvpush.transfer import groups
-from kvpush.transfer.messages import PrefillLeg
+from kvpush.transfer.messages import DecodeLeg, PrefillLeg, Registration
 from tests.unit import test_connector_hma as hma
 from tests.unit.test_model import SMALL
 
@@ -39,9 +40,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def _prefill(model_dir: pathlib.Path, monkeypatch: Any, granularity: str) -> Scheduler:
+    return _with_state(model_dir, monkeypatch, "kv_producer", granularity, Scheduler)
+
+
+def _with_state(
+    model_dir: pathlib.Path,
+    monkeypatch: Any,
+    role: str,
+    granularity: str,
+    cls: type,
+) -> Any:
+    """vLLM's scheduler ``cls`` over a state group and a full one."""
     monkeypatch.setattr(connector_module, "check_supported", lambda *a: None)
-    config = hma._scheduler(model_dir, "kv_producer", granularity).vllm_config
+    config = hma._scheduler(model_dir, role, granularity).vllm_config
     config.cache_config.enable_prefix_caching = False
+    if cls is not Scheduler:
+        config.scheduler_config.scheduler_cls = f"{cls.__module__}.{cls.__name__}"
     state = MambaSpec(
         block_size=hma.MAX_MODEL_LEN,
         shapes=((3, 64), (2, 16, 8)),
@@ -61,7 +75,7 @@ def _prefill(model_dir: pathlib.Path, monkeypatch: Any, granularity: str) -> Sch
         ],
         kv_cache_layout="LBHNC",
     )
-    return Scheduler(
+    return cls(
         vllm_config=config,
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(config),
@@ -101,3 +115,62 @@ def test_a_leg_that_would_forward_again_is_not_pushed(
     meta = out.kv_connector_metadata
     assert isinstance(meta, PrefillMetadata)
     assert meta.triggers == [] and meta.cancels == ["t1"]
+
+
+def _decode(model_dir: pathlib.Path, monkeypatch: Any, cls: type) -> tuple[Any, list]:
+    scheduler = _with_state(model_dir, monkeypatch, "kv_consumer", "request", cls)
+    decode = scheduler.connector._decode
+    sent: list[Any] = []
+    monkeypatch.setattr(
+        decode, "_send", lambda host, port, msg: sent.append(msg) or True
+    )
+    return scheduler, sent
+
+
+LEG = DecodeLeg(
+    transfer_id="t1",
+    prefill_engine_id="p0",
+    prefill_host="127.0.0.1",
+    prefill_port=5601,
+).to_dict()
+
+
+def test_decode_registers_the_state_as_the_prompts_last_block(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler, sent = _decode(model_dir, monkeypatch, KvPushScheduler)
+    scheduler.add_request(hma._request(LEG))
+
+    scheduler.schedule()
+
+    (registration,) = sent
+    state, full = registration.dst_block_ids
+    assert len(state) == len(full) == hma.NUM_BLOCKS
+    assert state[:-1] == (NULL,) * (hma.NUM_BLOCKS - 1) and state[-1] != NULL
+
+
+@pytest.mark.parametrize(
+    ("cls", "sampling"),
+    [(Scheduler, {}), (KvPushScheduler, {"logprobs": 1})],
+    ids=["vllm's scheduler", "logprobs"],
+)
+def test_a_leg_that_would_be_computed_again_is_served_locally(
+    model_dir: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type,
+    sampling: dict[str, Any],
+) -> None:
+    """vLLM would compute the whole loaded prompt's last token again,
+    applying it to the loaded state twice: decode loads nothing."""
+    scheduler, sent = _decode(model_dir, monkeypatch, cls)
+    request = hma._request(LEG)
+    for name, value in sampling.items():
+        setattr(request.sampling_params, name, value)
+    scheduler.add_request(request)
+
+    out = scheduler.schedule()
+
+    assert not any(isinstance(m, Registration) for m in sent)
+    assert out.num_scheduled_tokens.get("r1", 0) > 0, "computed on decode"
+    counters = scheduler.connector._decode.counters
+    assert counters.get("rejected.state_rewind") == 1

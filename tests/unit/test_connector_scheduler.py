@@ -126,9 +126,9 @@ def config_for(role: str, trace_dir: str = "", tp_size: int = 1) -> ConnectorCon
 
 
 def make_decode(
-    trace_dir: str = "", tp_size: int = 1
+    trace_dir: str = "", tp_size: int = 1, **more: Any
 ) -> tuple[DecodeScheduler, FakePeers]:
-    sched = DecodeScheduler(config_for("decode", trace_dir, tp_size))
+    sched = DecodeScheduler(replace(config_for("decode", trace_dir, tp_size), **more))
     sched._peers.close()
     peers = FakePeers()
     sched._peers = peers  # type: ignore[assignment]
@@ -223,8 +223,9 @@ class GroupedBlocks:
         return self.ids
 
 
-def test_decode_registers_one_list_per_group_from_first_block(decode):
-    sched, peers = decode
+def test_decode_registers_one_list_per_group_from_first_block():
+    two = (KvGroup("sliding_window:128"), KvGroup("full"))
+    sched, peers = make_decode(kv_groups=two)
     req = FakeRequest("r1", DECODE_PARAMS)
     assert sched.get_num_new_matched_tokens(req, 128) == (PROMPT - 128, True)
     tables = GroupedBlocks(([5, 6, 7, 8, 9], [15, 16, 17, 18, 19]))
@@ -238,6 +239,7 @@ def test_decode_registers_one_list_per_group_from_first_block(decode):
     )
     (expect,) = empty_step(sched).expects
     assert expect.dst_block_ids == reg.dst_block_ids
+    sched.close()
 
 
 def test_a_leg_pushing_the_prompts_first_tokens_claims_and_registers_those(decode):

@@ -73,11 +73,25 @@ class NotGiven(enum.Enum):
 def why_not(request: Any, token_id: int, max_model_len: int) -> NotGiven | None:
     """Why ``request`` (its KV landed) cannot continue from ``token_id``,
     or None when :func:`continue_from` may make it its prompt's last."""
-    sp = request.sampling_params
     if request.num_computed_tokens != request.num_tokens:
         return NotGiven.PARTIAL_LOAD
     if request.num_output_tokens > 0:
         return NotGiven.NOT_FIRST
+    reason = why_never(request)
+    if reason is not None:
+        return reason
+    sp = request.sampling_params
+    if token_id == sp.eos_token_id or token_id in (sp.stop_token_ids or ()):
+        return NotGiven.ENDS
+    if request.num_tokens + 1 >= max_model_len:
+        return NotGiven.TOO_LONG
+    return None
+
+
+def why_never(request: Any) -> NotGiven | None:
+    """Why ``request`` could not continue from any first token, known when
+    it arrives (what it asks, not what it loads or samples), or None."""
+    sp = request.sampling_params
     if (
         sp is None
         or request.prompt_token_ids is None
@@ -96,14 +110,8 @@ def why_not(request: Any, token_id: int, max_model_len: int) -> NotGiven | None:
         or request.use_structured_output
     ):
         return NotGiven.READS_OUTPUT
-    if (
-        request.max_tokens < 2
-        or token_id == sp.eos_token_id
-        or token_id in (sp.stop_token_ids or ())
-    ):
+    if request.max_tokens < 2:
         return NotGiven.ENDS
-    if request.num_tokens + 1 >= max_model_len:
-        return NotGiven.TOO_LONG
     return None
 
 

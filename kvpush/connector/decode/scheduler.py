@@ -65,6 +65,7 @@ from typing import Any
 
 from kvpush.connector.config import ConnectorConfig, rewind_reads_a_skipped_block
 from kvpush.connector.counters import Counters
+from kvpush.connector.decode.first_token import why_never
 from kvpush.connector.faults import FaultSource, outbound
 from kvpush.connector.legs import Legs
 from kvpush.connector.metadata import DecodeMetadata, RecvExpect
@@ -137,6 +138,12 @@ class DecodeScheduler:
             logger.error("kvpush: serving %s locally: %s", rid, problem)
             self._give_up(rid, leg, problem)
             return 0, False
+        state_problem = self._state_problem(request, leg)
+        if state_problem is not None:
+            self.counters.add("rejected.state_rewind")
+            logger.info("kvpush: serving %s locally: %s", rid, state_problem)
+            self._give_up(rid, leg, state_problem)
+            return 0, False
         pushed = pushed_tokens(request, leg)
         num_external = pushed - num_computed_tokens
         if pushed == request.num_prompt_tokens and rewind_reads_a_skipped_block(
@@ -148,6 +155,31 @@ class DecodeScheduler:
             return 0, False
         self._local_hits[rid] = num_computed_tokens
         return num_external, True
+
+    def _state_problem(self, request: Any, leg: DecodeLeg) -> str | None:
+        """Why a model with state groups (Mamba) cannot load this leg, or
+        None. vLLM computes a whole loaded prompt's last token again, which
+        would apply it to the loaded state twice; so only a leg whose
+        prompt goes on past the pushed tokens may load: one bound late
+        (its prompt ends with prefill's first token), or one bound early
+        that continues from prefill's first token (kvpush's scheduler class,
+        and a request that can: :func:`why_never`)."""
+        if not any(g.is_state for g in self.config.kv_groups):
+            return None
+        if pushed_tokens(request, leg) < request.num_prompt_tokens:
+            return None  # bound late: nothing is computed again
+        if not self.config.continues_from_t1:
+            return (
+                "a state model's leg loads only where decode continues from "
+                "prefill's first token (kvpush's --scheduler-cls)"
+            )
+        reason = why_never(request)
+        if reason is not None:
+            return (
+                f"a state model's leg that cannot continue from prefill's "
+                f"first token ({reason.value})"
+            )
+        return None
 
     def _tp_problem(self, leg: DecodeLeg) -> str | None:
         """Why this decode's ranks cannot receive from the leg's prefill TP
@@ -219,7 +251,9 @@ class DecodeScheduler:
         rid, bs = request.request_id, self.config.block_size
         first = self._local_hits.pop(rid, 0) // bs
         num_tokens = pushed_tokens(request, leg)
-        dst = groups.span(block_ids, first, math.ceil(num_tokens / bs))
+        n = math.ceil(num_tokens / bs)
+        is_state = [g.is_state for g in self.config.kv_groups]
+        dst = groups.span(groups.prompt_view(block_ids, is_state, n), first, n)
         reg = Registration(
             transfer_id=leg.transfer_id,
             decode_engine_id=self.config.engine_id,
