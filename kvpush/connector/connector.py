@@ -198,6 +198,13 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
         decode = self._decoding(request)
         return decode is not None and decode.awaits_first_token(request)
 
+    def requires_first_token(self, request: Any) -> bool:
+        """Whether ``request`` loaded a state (Mamba) it may only continue
+        from with prefill's first token: vLLM must never compute its last
+        prompt token again (see :meth:`DecodeScheduler.requires_first_token`)."""
+        decode = self._decoding(request)
+        return decode is not None and decode.requires_first_token(request)
+
     def _decoding(self, request: Any) -> DecodeScheduler | None:
         """This instance's decode side if it serves ``request``, else None."""
         if self._decode is None or self._side_of(request) is not self._decode:

@@ -19,10 +19,14 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MambaSpec,
 )
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
 import kvpush.connector.connector as connector_module
-from kvpush.connector.decode.first_token import KvPushScheduler
+from kvpush.connector.decode.first_token import (
+    STATE_FIRST_TOKEN_WAIT_S,
+    KvPushScheduler,
+)
 from kvpush.connector.metadata import PrefillMetadata
 from kvpush.model import make_model
 from kvpush.transfer import groups
@@ -174,3 +178,48 @@ def test_a_leg_that_would_be_computed_again_is_served_locally(
     assert out.num_scheduled_tokens.get("r1", 0) > 0, "computed on decode"
     counters = scheduler.connector._decode.counters
     assert counters.get("rejected.state_rewind") == 1
+
+
+def _landed(scheduler: Any, request: Any) -> None:
+    """The whole prompt's KV (and state) landed on decode."""
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {}, "it waits for the remote KV"
+    runner = ModelRunnerOutput(
+        req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+        kv_connector_output=KVConnectorOutput(finished_recving={"r1"}),
+    )  # fmt: skip
+    scheduler.update_from_output(out, runner)
+
+
+def test_a_loaded_state_continues_from_prefills_first_token(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler, _ = _decode(model_dir, monkeypatch, KvPushScheduler)
+    request = hma._request(LEG)
+    _landed(scheduler, request)
+    scheduler.connector._decode._first_tokens["t1"] = 77
+
+    out = scheduler.schedule()
+
+    assert out.num_scheduled_tokens == {"r1": 1}, "t1 only: nothing again"
+    assert request.num_computed_tokens == len(hma.PROMPT) + 1
+
+
+def test_a_loaded_state_whose_first_token_never_came_is_computed_whole(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler, _ = _decode(model_dir, monkeypatch, KvPushScheduler)
+    now = [100.0]
+    scheduler._kvpush_clock = lambda: now[0]
+    request = hma._request(LEG)
+    _landed(scheduler, request)
+    assert scheduler.schedule().num_scheduled_tokens == {}, "waits for t1"
+
+    now[0] += STATE_FIRST_TOKEN_WAIT_S
+    out = scheduler.schedule()
+
+    assert out.num_scheduled_tokens == {"r1": hma.CHUNK}, "from token 0"
+    counters = scheduler.connector._decode.counters
+    assert counters.get("first_token.recomputed.state_without_t1") == 1
+    assert not counters.get("first_token.recomputed.state_rewound")

@@ -33,6 +33,14 @@ structured output), ``t1`` ends the request, or the prompt is not plain
 token ids. ``vllm:kvpush_events_total{event="first_token.*"}`` counts
 each outcome.
 
+For a model with per-request state (Mamba; work in progress, see
+``plans/mamba.md``) the continuation is a rule, not an optimisation: vLLM
+computing the last prompt token again would apply it to the loaded state
+twice. A request that loaded such a state (the connector's
+``requires_first_token``) waits for ``t1`` busy or not, up to
+:data:`STATE_FIRST_TOKEN_WAIT_S`; without it its load is failed and vLLM
+computes the prompt whole (``first_token.recomputed.state_without_t1``).
+
 vLLM's scheduler interface is not public; the mixin's overrides
 (``_update_waiting_for_remote_kv``, ``_handle_blocked_waiting_request``,
 ``update_from_output``; ``schedule`` only times steps) are the hook, pinned to vLLM 0.32
@@ -47,6 +55,7 @@ build's only one) and :class:`KvPushAsyncScheduler` with async scheduling
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from typing import Any
 
@@ -56,6 +65,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvpush.connector.decode.step_time import LoneStepTime
+
+logger = logging.getLogger(__name__)
+
+# How long a request that loaded a model's state (Mamba) waits for prefill's
+# first token, busy decode or not, before it is computed whole instead.
+STATE_FIRST_TOKEN_WAIT_S = 5.0
 
 
 class NotGiven(enum.Enum):
@@ -68,6 +83,8 @@ class NotGiven(enum.Enum):
     READS_OUTPUT = "reads_output"  # min_tokens, penalties, repetition, grammar
     ENDS = "ends"  # t1 stops the request, or it may have only one token
     TOO_LONG = "too_long"  # t1 reaches the model's length
+    STATE_RECOMPUTED = "state_without_t1"  # a loaded state, no t1: all again
+    STATE_REWOUND = "state_rewound"  # never: a loaded state saw its last token twice
 
 
 def why_not(request: Any, token_id: int, max_model_len: int) -> NotGiven | None:
@@ -126,6 +143,12 @@ def continue_from(request: Any, token_id: int) -> None:
     request.update_block_hashes()
 
 
+def _requires(connector: Any, request: Any) -> bool:
+    """The connector says ``request`` may only continue from ``t1``."""
+    hook = getattr(connector, "requires_first_token", None)
+    return callable(hook) and bool(hook(request))
+
+
 class FirstTokenMixin:
     """The overrides, over either of vLLM's schedulers."""
 
@@ -158,28 +181,47 @@ class FirstTokenMixin:
             request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
             or rid not in self.finished_recving_kv_req_ids  # type: ignore[attr-defined]
             or rid in self.failed_recving_kv_req_ids  # type: ignore[attr-defined]
-            or self.running  # type: ignore[attr-defined]
             or not hasattr(connector, "awaits_first_token")
         ):
             return False
         now = self._kvpush_clock()
         wait_s = self._kvpush_step.seconds
+        if _requires(connector, request):
+            wait_s = STATE_FIRST_TOKEN_WAIT_S  # busy or not: see the module
+        elif self.running:  # type: ignore[attr-defined]
+            return False
         deadline = self._kvpush_waits.setdefault(rid, now + wait_s)
         if now >= deadline or not connector.awaits_first_token(request):
             return False
         return why_not(request, -1, self.max_model_len) is None  # type: ignore[attr-defined]
 
     def _update_waiting_for_remote_kv(self, request: Any) -> None:
-        self._give_first_token(request)
+        given = self._give_first_token(request)
+        connector: Any = self.connector  # type: ignore[attr-defined]
+        required = _requires(connector, request)
+        if required and not given:
+            # a loaded state must not see its last prompt token again: fail
+            # the load, vLLM frees the blocks and computes the prompt whole
+            request.num_computed_tokens = 0
+            self.failed_recving_kv_req_ids.add(request.request_id)  # type: ignore[attr-defined]
+            connector.first_token_outcome(NotGiven.STATE_RECOMPUTED)
         super()._update_waiting_for_remote_kv(request)  # type: ignore[misc]
+        if required and request.num_computed_tokens == request.num_tokens - 1:
+            logger.error(  # never: the rule above forbids it
+                "kvpush: %s computes its last prompt token again over a loaded state",
+                request.request_id,
+            )
+            connector.first_token_outcome(NotGiven.STATE_REWOUND)
 
-    def _give_first_token(self, request: Any) -> None:
+    def _give_first_token(self, request: Any) -> bool:
+        """Continue ``request`` from prefill's first token where it can;
+        whether it did."""
         connector: Any = self.connector  # type: ignore[attr-defined]
         if not hasattr(connector, "first_token"):  # not kvpush's connector
-            return
+            return False
         token_id = connector.first_token(request)
         if token_id is None:
-            return
+            return False
         if request.request_id in self.failed_recving_kv_req_ids:  # type: ignore[attr-defined]
             reason: NotGiven | None = NotGiven.PARTIAL_LOAD
         else:
@@ -188,6 +230,7 @@ class FirstTokenMixin:
         if reason is None:
             continue_from(request, token_id)
             self._kvpush_given[request.request_id] = token_id
+        return reason is None
 
     def update_from_output(
         self, scheduler_output: Any, model_runner_output: Any

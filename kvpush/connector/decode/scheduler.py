@@ -319,6 +319,20 @@ class DecodeScheduler:
             self._first_tokens.popitem(last=False)
             self.counters.add("first_token.dropped")
 
+    def requires_first_token(self, request: Any) -> bool:
+        """Whether ``request`` loads a model's state (Mamba) with its whole
+        prompt: it may only continue from prefill's first token, and
+        decode recomputes it whole rather than compute its last prompt token
+        again (:meth:`_state_problem`)."""
+        if not any(g.is_state for g in self.config.kv_groups):
+            return False
+        leg = self._legs.of(request)
+        return (
+            isinstance(leg, DecodeLeg)
+            and request.request_id in self._closed
+            and pushed_tokens(request, leg) >= request.num_prompt_tokens
+        )
+
     def awaits_first_token(self, request: Any) -> bool:
         """Whether ``request`` is an early-bound leg whose first token prefill
         will tell and has not yet (reads the sockets first)."""
