@@ -132,8 +132,15 @@ def check_model(vllm_config: Any) -> None:
     (refused here, where the model is known, rather than later by its
     ``MambaSpec`` groups)."""
     model = getattr(vllm_config, "model_config", None)
-    if getattr(model, "is_hybrid", False) is True:
-        _refuse([f"model {getattr(model, 'model', '?')}: {_MAMBA_REASON}"])
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(model, "is_hybrid", False) is True and (
+        getattr(cache, "enable_prefix_caching", False) is not False
+    ):
+        _refuse([
+            f"model {getattr(model, 'model', '?')}: a hybrid model with prefix "
+            "caching on keeps Mamba state checkpoints per block; kvpush copies "
+            "the one running state: run with --no-enable-prefix-caching"
+        ])  # fmt: skip
 
 
 def kv_element_size(cache_dtype: str, model_dtype: torch.dtype) -> int:
@@ -233,12 +240,22 @@ def _group_problems(vllm_config: Any, kv_cache_config: Any) -> list[str]:
             "a KV-cache group is host-resident or excluded from KV transfer; "
             "kvpush copies only transferable device groups"
         )
+    states = [s for s in specs if type(s) is MambaSpec]
+    if states and any(
+        type(s) is not FullAttentionSpec for s in specs if s not in states
+    ):
+        problems.append(
+            "Mamba state beside sliding-window or MLA layers is not mapped by "
+            "kvpush (a windowed prompt may load all but its last token, which "
+            "a loaded state must not see again); serve a model without them"
+        )
     if not any(isinstance(s, FullAttentionSpec | MLAAttentionSpec) for s in specs):
         problems.append(
-            f"KV-cache groups {', '.join(type(s).__name__ for s in specs)}: every "
-            "layer is windowed; kvpush maps models with at least one full-"
-            "attention layer, serve one or turn vLLM's hybrid KV-cache manager "
-            "off (--disable-hybrid-kv-cache-manager: every block kept)"
+            f"KV-cache groups {', '.join(type(s).__name__ for s in specs)}: no "
+            "full-attention or MLA layer (every layer windowed or state); "
+            "kvpush maps models with at least one, serve one or, for windows, "
+            "turn vLLM's hybrid KV-cache manager off "
+            "(--disable-hybrid-kv-cache-manager: every block kept)"
         )
     granularity = granularity_of(
         getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
@@ -258,6 +275,8 @@ def _spec_problems(spec: Any, vllm_config: Any) -> list[str]:
     kind = _refused_kind(spec)
     if kind is not None:
         return [kind]
+    if type(spec) is MambaSpec:  # one page a request: no tokens, no dtype
+        return []
     cache_config = vllm_config.cache_config
     problems = []
     if spec.block_size != cache_config.block_size:
@@ -322,6 +341,30 @@ _MAMBA_REASON = (
 )
 
 
+def _state_problem(spec: Any) -> str | None:
+    """Why a Mamba layer's per-request state cannot be copied whole, once,
+    as one page a request, or None (``docs/design.md``, state groups)."""
+    name = f"MambaSpec layers: {spec.mamba_type.name} state, "
+    if spec.mamba_type.name != "MAMBA2":
+        return name + (
+            "only Mamba2 state (Nemotron-H, Granite 4, Zamba 2) is mapped by "
+            "kvpush; gated-delta-net, linear, short-conv and Mamba1 states are "
+            "not, serve a model without them"
+        )
+    if spec.mamba_cache_mode != "none":
+        return name + (
+            f"mamba cache mode {spec.mamba_cache_mode!r} (prefix caching on) "
+            "keeps state checkpoints per block; kvpush copies the one running "
+            "state: run with --no-enable-prefix-caching"
+        )
+    if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+        return name + (
+            "speculative or checkpoint state blocks are not mapped by kvpush; "
+            "run without speculative decoding"
+        )
+    return None
+
+
 def _refused_kind(spec: Any) -> str | None:
     """Why layers of this spec cannot be copied block for block, naming the
     model family, or None."""
@@ -343,6 +386,8 @@ def _refused_kind(spec: Any) -> str | None:
             "chunked local attention (Llama 4-style) and other windowed "
             "variants are not mapped by kvpush; plain sliding windows are"
         )
+    if type(spec) is MambaSpec:
+        return _state_problem(spec)
     if isinstance(spec, MambaSpec):
         return name + _MAMBA_REASON
     if isinstance(spec, UniformTypeKVCacheSpecs):

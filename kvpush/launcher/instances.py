@@ -21,7 +21,7 @@ import msgspec
 from kvpush.launcher.config import Addresses, ClusterConfig, InstanceSettings
 from kvpush.launcher.netns import NetPlan
 from kvpush.launcher.platform import Platform
-from kvpush.model.kv_size import is_mla, is_moe, text_config
+from kvpush.model.kv_size import has_state, is_mla, is_moe, text_config
 from kvpush.side_channel_auth import SECRET_ENV
 from kvpush.topology import Backend, Role
 from kvpush.transfer.ranks import dp_engine_port
@@ -506,7 +506,18 @@ def instance_command(
     if spec.kv_events_endpoint is not None:
         cmd += ["--kv-events-config", json.dumps(kv_events_config(spec))]
     cmd += scheduler_class_args(config, spec)
-    return cmd + _attention_backend_args(config, model) + list(config.extra_vllm_args)
+    cmd += _attention_backend_args(config, model) + _state_model_args(config, model)
+    return cmd + list(config.extra_vllm_args)
+
+
+def _state_model_args(config: InstanceSettings, model: Path) -> list[str]:
+    """A model with Mamba state runs without prefix caching on every
+    instance: vLLM's CPU build cannot run it with (its 'align' mode needs
+    chunk checkpoints the CPU scan does not return), and kvpush copies the
+    one running state, not per-block checkpoints. A choice in
+    ``extra_vllm_args`` stays."""
+    chosen = any("prefix-caching" in a for a in config.extra_vllm_args)
+    return [] if chosen or not has_state(model) else ["--no-enable-prefix-caching"]
 
 
 SCHEDULER_CLASS = "kvpush.connector.decode.first_token.KvPushScheduler"

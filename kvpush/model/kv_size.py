@@ -16,6 +16,8 @@ from typing import Any
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _ATTENTION_BLOCKS = ("attention", "full_attention")
+# transformers' names of Nemotron-H's Mamba2 layers (its letter M)
+_STATE_BLOCKS = ("mamba", "linear_attention")
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
@@ -51,6 +53,17 @@ def is_mla(model_dir: Path) -> bool:
     """The model keeps MLA latents (its config names a ``kv_lora_rank``)."""
     text = text_config(model_dir)
     return text is not None and bool(text.get("kv_lora_rank"))
+
+
+def has_state(model_dir: Path) -> bool:
+    """The model has Mamba-style state layers (Nemotron-H's
+    ``hybrid_override_pattern`` letter M, or its ``layers_block_type``)."""
+    text = text_config(model_dir)
+    if text is None:
+        return False
+    pattern = text.get("hybrid_override_pattern") or ""
+    blocks = text.get("layers_block_type") or ()
+    return "M" in str(pattern) or any(b in _STATE_BLOCKS for b in blocks)
 
 
 def is_moe(model_dir: Path) -> bool:

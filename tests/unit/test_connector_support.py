@@ -128,7 +128,7 @@ def test_each_data_parallel_rank_is_accepted_as_an_engine_of_its_own(dp_size: in
 
 def test_every_problem_is_listed_at_once():
     config = vllm_config(parallel={"pipeline_parallel_size": 2}, layout="LBNHC")
-    mamba = MambaSpec(BS, ((4,),), (torch.float32,))
+    mamba = MambaSpec(BS, ((4,),), (torch.float32,), mamba_cache_mode="align")
     message = refusal(config, kv_config(full_spec(), mamba, layout="LBNHC"))
     assert "--pipeline-parallel-size 2" in message
     assert "KV cache layout LBNHC" in message
@@ -241,7 +241,7 @@ def test_a_model_whose_every_layer_is_windowed_is_refused():
     swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64,
                             dtype=torch.bfloat16, sliding_window=1024)  # fmt: skip
     for kv in (kv_config(swa), kv_config(swa, swa)):
-        assert "every layer is windowed" in refusal(vllm_config(), kv)
+        assert "no full-attention or MLA layer" in refusal(vllm_config(), kv)
 
 
 def test_a_host_resident_group_is_refused():
@@ -259,7 +259,8 @@ def test_a_host_resident_group_is_refused():
         (ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
                                    dtype=torch.bfloat16, attention_chunk_size=512),
          "chunked local attention"),
-        (MambaSpec(BS, ((4, 8),), (torch.float32,)), "state caches"),
+        (MambaSpec(BS, ((4, 8),), (torch.float32,), mamba_cache_mode="align"),
+         "mamba cache mode 'align'"),
         (UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs={"a": full_spec()}),
          "different KV shapes"),
         (SinkFullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
@@ -328,11 +329,17 @@ def test_the_tp_mapping_counts_an_mla_latent_as_one_kv_head(use_mla: bool, heads
     assert ConnectorConfig.from_vllm(config).total_kv_heads == heads
 
 
-def test_a_hybrid_state_model_is_refused_before_vllm_groups_its_layers():
+def test_a_hybrid_model_with_prefix_caching_is_refused_before_vllm_groups_it():
     # vLLM asks the connector class for its layout while the workers set up
-    # attention, before it would fail grouping Mamba layers without HMA.
-    hybrid = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=True, model="nh"))
-    with pytest.raises(UnsupportedConfig, match="model nh: state caches of Mamba"):
-        KvPushConnector.get_required_kvcache_layout(hybrid)
-    plain = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=False, model="q"))
-    assert KvPushConnector.get_required_kvcache_layout(plain) == "LBHNC"
+    # attention, before it groups the layers: prefix caching on keeps Mamba
+    # state checkpoints per block, which kvpush does not copy.
+    def model(hybrid: bool, caching: bool) -> SimpleNamespace:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(is_hybrid=hybrid, model="nh"),
+            cache_config=SimpleNamespace(enable_prefix_caching=caching),
+        )
+
+    with pytest.raises(UnsupportedConfig, match="--no-enable-prefix-caching"):
+        KvPushConnector.get_required_kvcache_layout(model(True, True))
+    assert KvPushConnector.get_required_kvcache_layout(model(True, False)) == "LBHNC"
+    assert KvPushConnector.get_required_kvcache_layout(model(False, True)) == "LBHNC"

@@ -246,6 +246,7 @@ def _hybrid_specs(config: PretrainedConfig, dtype: torch.dtype) -> dict:
                 shapes=tuple(shapes),
                 dtypes=(dtype, dtype),
                 page_size_padded=block * token_bytes,
+                mamba_cache_mode="align",  # prefix caching on, as logged
             )
         elif letter == "*":
             specs[f"backbone.layers.{i}.mixer.attn"] = FullAttentionSpec(
@@ -344,7 +345,7 @@ def test_swa_as_kvpush_runs_it_is_one_full_group_that_kvpush_serves(hf_configs):
     assert check_supported(_vllm_config(CPU_BLOCK, hma=False), kv) is None
 
 
-def test_hybrid_keeps_mamba_state_groups_that_kvpush_refuses_by_name(hf_configs):
+def test_hybrid_with_prefix_caching_keeps_state_checkpoints_kvpush_refuses(hf_configs):
     kv = vllm_groups("hybrid", hf_configs["hybrid"], hma=True)
     # as the colocated run logged: one group per Mamba layer, then attention,
     # all 128-token blocks of one 128 KiB page (the 38 KiB state padded)
@@ -353,8 +354,8 @@ def test_hybrid_keeps_mamba_state_groups_that_kvpush_refuses_by_name(hf_configs)
     assert {(s.block_size, s.page_size_bytes) for s in specs} == {(128, 131072)}
     message = refusal("hybrid", hf_configs["hybrid"], hma=True)
     assert "3 KV-cache groups" in message
-    assert "MambaSpec layers: state caches of Mamba, Mamba2" in message
-    assert "Nemotron-H" in message
+    assert "MambaSpec layers: MAMBA2 state, mamba cache mode 'align'" in message
+    assert "--no-enable-prefix-caching" in message
 
 
 def test_hybrid_without_the_hybrid_manager_fails_in_vllm_before_kvpush(hf_configs):
