@@ -75,10 +75,7 @@ def layout_of(
     if not kv_caches:
         raise ValueError("vLLM registered no KV-cache tensors; nothing to map")
     states = {n for g in groups if g.is_state for n in g.layers}
-    all_caches, kv_caches = (
-        kv_caches,
-        {n: t for n, t in kv_caches.items() if n not in states},
-    )
+    all_caches, kv_caches = kv_caches, without_states(kv_caches, groups)
     if not kv_caches:
         raise ValueError("vLLM registered no attention KV cache; nothing to map")
     if block_size < 1 or num_blocks < 1:
@@ -152,6 +149,15 @@ def _check_groups_alias(
                     f"{k} but {slots.get(name)}: kvpush maps groups that share "
                     "one allocation, layer k of every group in slot k"
                 )
+
+
+def without_states(
+    kv_caches: dict[str, torch.Tensor], groups: Sequence[KvGroup]
+) -> dict[str, torch.Tensor]:
+    """``kv_caches`` less the state layers' views (Mamba: their pages are
+    the attention slots' own bytes, mapped once, by :func:`layout_of`)."""
+    states = {n for g in groups if g.is_state for n in g.layers}
+    return {n: t for n, t in kv_caches.items() if n not in states}
 
 
 def region_views(

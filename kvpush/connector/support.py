@@ -357,10 +357,10 @@ def _state_problem(spec: Any) -> str | None:
             "keeps state checkpoints per block; kvpush copies the one running "
             "state: run with --no-enable-prefix-caching"
         )
-    if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+    if spec.num_speculative_blocks:  # (prefill checkpoints: 'align' only)
         return name + (
-            "speculative or checkpoint state blocks are not mapped by kvpush; "
-            "run without speculative decoding"
+            "speculative state blocks are not mapped by kvpush; run without "
+            "speculative decoding"
         )
     return None
 

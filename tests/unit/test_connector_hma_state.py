@@ -204,6 +204,9 @@ def test_a_loaded_state_continues_from_prefills_first_token(
 
     assert out.num_scheduled_tokens == {"r1": 1}, "t1 only: nothing again"
     assert request.num_computed_tokens == len(hma.PROMPT) + 1
+    counters = scheduler.connector._decode.counters
+    assert counters.get("first_token.continued") == 1
+    assert not counters.get("first_token.recomputed.state_rewound")
 
 
 def test_a_loaded_state_whose_first_token_never_came_is_computed_whole(

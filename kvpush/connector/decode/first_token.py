@@ -206,7 +206,8 @@ class FirstTokenMixin:
             self.failed_recving_kv_req_ids.add(request.request_id)  # type: ignore[attr-defined]
             connector.first_token_outcome(NotGiven.STATE_RECOMPUTED)
         super()._update_waiting_for_remote_kv(request)  # type: ignore[misc]
-        if required and request.num_computed_tokens == request.num_tokens - 1:
+        rewound = request.num_computed_tokens == request.num_tokens - 1
+        if required and not given and rewound:  # (given: t1 is to compute)
             logger.error(  # never: the rule above forbids it
                 "kvpush: %s computes its last prompt token again over a loaded state",
                 request.request_id,

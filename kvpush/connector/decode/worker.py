@@ -55,6 +55,7 @@ from kvpush.connector.decode.receiver import Receiver
 from kvpush.connector.decode.verify import Verifier
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.kv_bytes import TensorBytes
+from kvpush.connector.kv_memory import without_states
 from kvpush.connector.metadata import DecodeMetadata
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.side_channel import Peers
@@ -133,6 +134,7 @@ class DecodeWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._io = open_agent(self.config, kv_caches)
+        kv_caches = without_states(kv_caches, self.config.kv_groups)  # mapped
         self._progress = Progress(self._io, self.counters)
         self._verifier = Verifier(
             self._io.layout,

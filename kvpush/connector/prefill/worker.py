@@ -36,7 +36,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.counters import Counters
 from kvpush.connector.faults import FaultSource
 from kvpush.connector.kv_bytes import TensorBytes
-from kvpush.connector.kv_memory import layer_indices
+from kvpush.connector.kv_memory import layer_indices, without_states
 from kvpush.connector.metadata import PrefillMetadata, PushesOver, PushTrigger
 from kvpush.connector.nixl_io import NixlIO
 from kvpush.connector.prefill.fence import (
@@ -79,6 +79,7 @@ class PrefillWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._device_type = next(iter(kv_caches.values())).device.type
         self._io = open_agent(self.config, kv_caches)
+        kv_caches = without_states(kv_caches, self.config.kv_groups)  # mapped
         self._layer_of = layer_indices(kv_caches)
         matcher = MatcherConfig(
             block_size=self.config.block_size, ready_ttl_s=self.config.ready_ttl_s
