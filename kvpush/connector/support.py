@@ -61,6 +61,11 @@ Accepted, and why the copy is right:
   MLA caches (DeepSeek-V3.2/V4's indexer, ``model_version`` set) and packed
   formats (``fp8_ds_mla``, refused by its cache dtype) are not mapped.
 
+- Mamba2 state (``MambaSpec``, Nemotron-H, Granite 4) beside full
+  attention, in vLLM's mode 'none' (prefix caching off): each request's
+  state is one page, copied whole once with the prompt's last block
+  (``docs/design.md``, state groups), between equal TP sizes.
+
 Refused: anything else, with a message naming the setting and what to change.
 """
 

@@ -226,3 +226,16 @@ def test_a_loaded_state_whose_first_token_never_came_is_computed_whole(
     counters = scheduler.connector._decode.counters
     assert counters.get("first_token.recomputed.state_without_t1") == 1
     assert not counters.get("first_token.recomputed.state_rewound")
+
+
+def test_a_state_from_another_tp_size_is_not_loaded(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler, sent = _decode(model_dir, monkeypatch, KvPushScheduler)
+    leg = dict(LEG, prefill_tp=2)
+    scheduler.add_request(hma._request(leg))
+
+    scheduler.schedule()
+
+    assert not any(isinstance(m, Registration) for m in sent)
+    assert scheduler.connector._decode.counters.get("rejected.state_rewind") == 1

@@ -166,6 +166,12 @@ class DecodeScheduler:
         and a request that can: :func:`why_never`)."""
         if not any(g.is_state for g in self.config.kv_groups):
             return None
+        if leg.prefill_tp != self.config.tp_size:
+            return (
+                f"a state model's leg from prefill TP {leg.prefill_tp} to decode "
+                f"TP {self.config.tp_size}: state pages are split by TP as a "
+                "whole, kvpush copies them between equal TP sizes only"
+            )
         if pushed_tokens(request, leg) < request.num_prompt_tokens:
             return None  # bound late: nothing is computed again
         if not self.config.continues_from_t1:
