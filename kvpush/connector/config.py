@@ -329,6 +329,12 @@ class ConnectorConfig:
         return self.push_granularity != "request"
 
     @property
+    def has_state(self) -> bool:
+        """The model has state groups (Mamba): a request's state is one
+        block, copied once with the prompt's last one."""
+        return any(g.is_state for g in self.kv_groups)
+
+    @property
     def may_push_per_layer(self) -> bool:
         """Some chunks may go layer by layer (``layer``, ``auto``; one
         KV-cache group only: see the module docstring)."""

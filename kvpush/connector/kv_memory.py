@@ -74,7 +74,7 @@ def layout_of(
     naming the layer."""
     if not kv_caches:
         raise ValueError("vLLM registered no KV-cache tensors; nothing to map")
-    states = {n for g in groups if g.is_state for n in g.layers}
+    has_state = any(g.is_state for g in groups)
     all_caches, kv_caches = kv_caches, without_states(kv_caches, groups)
     if not kv_caches:
         raise ValueError("vLLM registered no attention KV cache; nothing to map")
@@ -92,7 +92,7 @@ def layout_of(
     _check_disjoint(base_addrs, num_blocks * block_bytes)
     if len(groups) > 1:
         _check_groups_alias(kv_caches, [g for g in groups if not g.is_state])
-    if states and len(first_regions) != 1:
+    if has_state and len(first_regions) != 1:
         raise ValueError(
             "state layers beside K and V kept apart: kvpush maps state pages "
             "in caches of one region per layer"

@@ -397,8 +397,6 @@ def _all_served(
     assert bad == {}
 
 
-# Long (not CI yet: work in progress, plans/mamba.md): the hybrid preset.
-@pytest.mark.long
 class TestKvPushHybrid:
     """Nemotron-H-style Mamba2 + attention, prefix caching off (the
     launcher's choice for state models). A request that can continue from

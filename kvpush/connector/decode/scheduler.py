@@ -164,7 +164,7 @@ class DecodeScheduler:
         (its prompt ends with prefill's first token), or one bound early
         that continues from prefill's first token (kvpush's scheduler class,
         and a request that can: :func:`why_never`)."""
-        if not any(g.is_state for g in self.config.kv_groups):
+        if not self.config.has_state:
             return None
         if leg.prefill_tp != self.config.tp_size:
             return (
@@ -330,7 +330,7 @@ class DecodeScheduler:
         prompt: it may only continue from prefill's first token, and
         decode recomputes it whole rather than compute its last prompt token
         again (:meth:`_state_problem`)."""
-        if not any(g.is_state for g in self.config.kv_groups):
+        if not self.config.has_state:
             return False
         leg = self._legs.of(request)
         return (

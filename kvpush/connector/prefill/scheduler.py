@@ -142,7 +142,7 @@ class PrefillScheduler:
         rid = request.request_id
         if not isinstance(leg, PrefillLeg) or rid in self._prefills:
             return
-        if self._is_state.count(True) and request.max_tokens > 1:
+        if self.config.has_state and request.max_tokens > 1:
             self.counters.add("rejected.state_would_change")
             self._meta.cancels.append(leg.transfer_id)
             self._refused.add(rid)
