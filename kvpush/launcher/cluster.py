@@ -200,7 +200,7 @@ def _spawn_instance(
         cmd = netns.exec_prefix(host) + cmd
     # The whole instance (API server, EngineCore, every rank's worker), not
     # just its OMP threads, which vLLM binds rank by rank.
-    env = instance_env(config, spec, secret)
+    env = instance_env(config, spec, secret, model)
     return process.spawn(cmd, env, spec.log_path, spec.cpus)
 
 

@@ -39,6 +39,11 @@ _VLLM_CONNECTORS: dict[str, str] = {
     "vllm-pull": "NixlConnector",
     "vllm-push": "NixlPushConnector",
 }
+# vLLM's NIXL connector moves Mamba conv states channel-first only ("3-read
+# Mamba conv transfer requires DS conv state layout"); vLLM's CPU platform
+# picks that layout for its connectors' names, not for the baselines' (the
+# same connectors under kvpush's names), so the launcher does.
+_STATE_LAYOUT_ENV = "VLLM_SSM_CONV_STATE_LAYOUT"
 PLUGINS_ENV = "VLLM_PLUGINS"  # vLLM's allowlist of plugins, when set
 PLUGIN = "kvpush"  # our entry point's name in vllm.general_plugins
 _KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -573,12 +578,16 @@ def _attention_backend_args(config: InstanceSettings, model: Path) -> list[str]:
     return ["--attention-backend", "CPU_MLA"] if is_mla(model) else []
 
 
-def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str, str]:
+def instance_env_vars(
+    config: InstanceSettings, spec: InstanceSpec, model: Path | None = None
+) -> dict[str, str]:
     """The variables kvpush sets for one instance (over the inherited
     environment): on CPU its ranks' cores and KV cache size, on CUDA its GPUs
     (when planned); vLLM's side-channel address (which the baselines bind
     and advertise: one listener per instance, on its first port, answering
-    for every rank), the NIC UCX may use. Never the secret: see
+    for every rank), the NIC UCX may use; for a baseline serving a
+    ``model`` with Mamba state on CPU, the conv-state layout vLLM's NIXL
+    connector needs (:data:`_STATE_LAYOUT_ENV`). Never the secret: see
     :func:`instance_env`."""
     env = {}
     if config.platform == Platform.CPU:
@@ -586,6 +595,10 @@ def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str,
         env["VLLM_CPU_KVCACHE_SPACE"] = str(space)
         if spec.omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.omp_threads_bind
+        baseline = config.mode in _VLLM_CONNECTORS
+        chosen = _STATE_LAYOUT_ENV in os.environ  # an explicit one stays
+        if baseline and not chosen and model is not None and has_state(model):
+            env[_STATE_LAYOUT_ENV] = "DS"
     elif spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     env.update(
@@ -600,13 +613,17 @@ def instance_env_vars(config: InstanceSettings, spec: InstanceSpec) -> dict[str,
 
 
 def instance_env(
-    config: InstanceSettings, spec: InstanceSpec, secret: str | None = None
+    config: InstanceSettings,
+    spec: InstanceSpec,
+    secret: str | None = None,
+    model: Path | None = None,
 ) -> dict[str, str]:
-    """The whole environment of one instance: this process's, plus
-    :func:`instance_env_vars`, plus the side-channel ``secret`` when one was
-    read from a file (an inherited ``KVPUSH_SIDE_CHANNEL_SECRET`` stays)."""
+    """The whole environment of one instance serving ``model``: this
+    process's, plus :func:`instance_env_vars`, plus the side-channel
+    ``secret`` when one was read from a file (an inherited
+    ``KVPUSH_SIDE_CHANNEL_SECRET`` stays)."""
     env = dict(os.environ)
-    env.update(instance_env_vars(config, spec))
+    env.update(instance_env_vars(config, spec, model))
     plugins = env.get(PLUGINS_ENV)
     if plugins is not None and PLUGIN not in plugins.split(","):
         # vLLM loads only the plugins listed there: ours names the connector

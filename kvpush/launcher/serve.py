@@ -243,7 +243,8 @@ def print_command(config: ServeConfig, model: Path) -> str:
     line runs, so the secret itself is never printed."""
     spec = config.spec()
     words = [
-        f"{k}={shlex.quote(v)}" for k, v in instance_env_vars(config, spec).items()
+        f"{k}={shlex.quote(v)}"
+        for k, v in instance_env_vars(config, spec, model).items()
     ]
     if config.side_channel_secret_file is not None:
         quoted = shlex.quote(str(config.side_channel_secret_file))
@@ -261,7 +262,7 @@ def serve(
     its ranks' cores when set. Returns only when ``exec_fn`` does (tests)."""
     spec = config.spec()
     argv = instance_command(config, spec, model)
-    env = instance_env(config, spec, secret)
+    env = instance_env(config, spec, secret, model)
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
     sys.stdout.flush()

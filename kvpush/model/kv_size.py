@@ -5,7 +5,7 @@ head_dim * element size`` of the dtype it is served in. The tiny model (2
 layers, 2 KV heads of 64, float32) keeps exactly 2048 bytes per token. An MLA
 model keeps one latent (``kv_lora_rank + qk_rope_head_dim``) per layer
 instead; a Nemotron-H hybrid keeps per-token KV only in its attention layers
-(its Mamba layers keep a per-request state, not counted).
+(its Mamba layers keep a per-request state: :func:`state_bytes`).
 """
 
 from __future__ import annotations
@@ -102,9 +102,12 @@ def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) 
     if config is None:
         raise ValueError(f"cannot read the KV shape of {model_dir}")
     per_token = kv_bytes_per_token(model_dir, dtype)
-    kinds = config.get("layer_types") or ["full_attention"] * int(
-        config["num_hidden_layers"]
+    blocks_types = config.get("layers_block_type") or ()
+    kinds = config.get("layer_types") or ["full_attention"] * (
+        sum(1 for b in blocks_types if b in _ATTENTION_BLOCKS)
+        or int(config["num_hidden_layers"])
     )
+    states = sum(1 for b in blocks_types if b in _STATE_BLOCKS)
     blocks = -(-num_tokens // block_size)
     window = config.get("sliding_window")
     skipped = 0 if not window else max(0, num_tokens - int(window) + 1)
@@ -115,4 +118,22 @@ def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) 
         skipped -= 1
     skipped //= block_size
     kept = [blocks - skipped if k == "sliding_attention" else blocks for k in kinds]
-    return sum(kept) * block_size * per_token // len(kinds)
+    kv = sum(kept) * block_size * per_token // len(kinds)
+    return kv + (states * state_bytes(config, dtype) if states else 0)
+
+
+def state_bytes(config: dict[str, Any], dtype: str) -> int:
+    """One request's Mamba2 state in one state layer (Nemotron-H's config
+    keys): the conv state, ``conv_kernel - 1`` columns of the conv's
+    channels (the heads' values, then B and C of every group), in
+    ``dtype``, and the SSM state, ``head_dim x ssm_state_size`` per head,
+    in ``mamba_ssm_cache_dtype`` (``dtype`` when unset)."""
+    heads, head_dim = int(config["mamba_num_heads"]), int(config["mamba_head_dim"])
+    groups, size = int(config["n_groups"]), int(config["ssm_state_size"])
+    conv = (heads * head_dim + 2 * groups * size) * (int(config["conv_kernel"]) - 1)
+    ssm_dtype = config.get("mamba_ssm_cache_dtype") or dtype
+    ssm_dtype = ssm_dtype if ssm_dtype in _ELEMENT_BYTES else dtype
+    return (
+        conv * _ELEMENT_BYTES[dtype]
+        + heads * head_dim * size * _ELEMENT_BYTES[ssm_dtype]
+    )

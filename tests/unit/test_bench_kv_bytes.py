@@ -77,3 +77,19 @@ def test_an_mla_model_needs_one_copy_per_decode_rank(tmp_path: Path):
     kv = kv_bytes(2 * one, [100], d, "float32", 16, decode_tp=2)
     assert kv is not None and kv.needed == pytest.approx(2 * one)
     assert kv.of_needed == pytest.approx(1.0)
+
+
+def test_a_mamba_hybrid_needs_its_attention_blocks_and_each_state_once(tmp_path: Path):
+    # the hybrid preset's shape: M-*-M- (Nemotron-H, no num_hidden_layers)
+    blocks = ["mamba", "mlp", "attention", "mlp", "mamba", "mlp"]
+    d = model(
+        tmp_path, num_hidden_layers=None, layers_block_type=blocks,
+        mamba_num_heads=16, mamba_head_dim=32, n_groups=1, ssm_state_size=16,
+        conv_kernel=4, mamba_ssm_cache_dtype="float32",
+    )  # fmt: skip
+    # conv: (16 x 32 + 2 x 16) channels x 3 columns; SSM: 16 x 32 x 16 (float32)
+    state = (544 * 3 + 16 * 32 * 16) * 4
+    assert state == 39_296  # vLLM's MambaSpec for this shape (docs/model-families.md)
+    assert (
+        pushed_bytes(d, "float32", 1000, 128) == 8 * 128 * PER_LAYER_TOKEN + 2 * state
+    )

@@ -492,6 +492,31 @@ def test_a_model_with_mamba_state_runs_without_prefix_caching(tmp_path: Path) ->
     ]
 
 
+def test_a_baseline_serving_mamba_state_gets_the_conv_layout_its_nixl_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's NIXL connector moves Mamba conv states channel-first only, and
+    vLLM's CPU platform picks that layout for its own connector names, not
+    for the baselines' (without it their engines die at start-up)."""
+    monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
+    hybrid, dense = tmp_path / "hybrid", tmp_path / "dense"
+    for path, config in ((hybrid, {"layers_block_type": ["mamba"]}), (dense, {})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+
+    def layout(model: Path, mode: str) -> str | None:
+        config = _serve("--role", "decode", "--model", str(model), "--mode", mode)
+        env = instance_env_vars(config, config.spec(), model)
+        return env.get("VLLM_SSM_CONV_STATE_LAYOUT")
+
+    assert layout(hybrid, "vllm-pull") == "DS"
+    assert layout(hybrid, "vllm-push") == "DS"
+    assert layout(hybrid, "kvpush") is None  # vLLM's default: kvpush copies pages
+    assert layout(dense, "vllm-pull") is None
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "SD")
+    assert layout(hybrid, "vllm-pull") is None  # the user's choice stands
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
