@@ -68,6 +68,7 @@ from kvpush.connector.support import (
     check_model,
     check_supported,
 )
+from kvpush.transfer.messages import FirstToken, SampleLogprobs
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
@@ -185,12 +186,20 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
         transfers, so none of them may be zeroed while it lands."""
         return tuple(self._kv_cache_config.transfer_group_ids)
 
-    def first_token(self, request: Any) -> int | None:
-        """The token prefill sampled after ``request``'s prompt, for kvpush's
-        vLLM scheduler class (:mod:`kvpush.connector.decode.first_token`);
-        None unless this instance decodes that request and the token came."""
+    def first_token(self, request: Any) -> FirstToken | None:
+        """The token prefill sampled after ``request``'s prompt (with its
+        logprobs where asked), for kvpush's vLLM scheduler class
+        (:mod:`kvpush.connector.decode.first_token`); None unless this
+        instance decodes that request and the token came."""
         decode = self._decoding(request)
         return None if decode is None else decode.first_token(request)
+
+    def keep_first_logprobs(self, request: Any, logprobs: SampleLogprobs) -> None:
+        """From kvpush's scheduler class: the logprobs of the first token
+        this instance sampled for ``request``, which a prefill leg bound
+        early tells its decode with the token."""
+        if self._prefill is not None and self._side_of(request) is self._prefill:
+            self._prefill.keep_first_logprobs(request, logprobs)
 
     def awaits_first_token(self, request: Any) -> bool:
         """Whether prefill will tell ``request``'s first token and it has not

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.transfer.groups import GroupBlocks
-from kvpush.transfer.messages import Failure
+from kvpush.transfer.messages import Failure, SampleLogprobs
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,11 @@ class PrefillMetadata(KVConnectorMetadata):
     cancels: list[str] = field(default_factory=list)  # transfer ids given up
     preempted: list[PreemptedPush] = field(default_factory=list)
     # early binding: transfer id -> the token prefill sampled after the
-    # prompt, for rank 0's writer to tell the transfer's decode
-    first_tokens: dict[str, int] = field(default_factory=dict)
+    # prompt and its logprobs (where asked), for rank 0's writer to tell the
+    # transfer's decode
+    first_tokens: dict[str, tuple[int, SampleLogprobs | None]] = field(
+        default_factory=dict
+    )
 
 
 @dataclass

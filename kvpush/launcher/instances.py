@@ -530,8 +530,9 @@ ASYNC_SCHEDULER_CLASS = "kvpush.connector.decode.first_token.KvPushAsyncSchedule
 
 
 def scheduler_class_args(config: InstanceSettings, spec: InstanceSpec) -> list[str]:
-    """``--scheduler-cls`` for a kvpush instance that decodes: kvpush's
-    scheduler class, which continues from prefill's first token
+    """``--scheduler-cls`` for a kvpush instance of a P/D pair: kvpush's
+    scheduler class, with which a decode continues from prefill's first
+    token and a prefill sends that token's logprobs
     (:mod:`kvpush.connector.decode.first_token`), in the flavour of the
     scheduling vLLM runs (synchronous on CPU or with
     ``--no-async-scheduling``, async otherwise). None when the extra vLLM
@@ -539,7 +540,6 @@ def scheduler_class_args(config: InstanceSettings, spec: InstanceSpec) -> list[s
     extra = config.extra_vllm_args
     if (
         config.mode != "kvpush"
-        or not serves_decode_legs(config, spec.role)
         or spec.role == "colocated"
         or any(a.startswith("--scheduler-cls") for a in extra)
     ):

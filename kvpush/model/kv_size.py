@@ -49,6 +49,13 @@ def text_config(model_dir: Path) -> dict[str, Any] | None:
     return text if isinstance(text, dict) else None
 
 
+def num_layers(config: dict[str, Any]) -> int:
+    """The model's decoder layers (Nemotron-H names them in
+    ``layers_block_type`` and has no ``num_hidden_layers``)."""
+    blocks = config.get("layers_block_type")
+    return len(blocks) if blocks else int(config["num_hidden_layers"])
+
+
 def is_mla(model_dir: Path) -> bool:
     """The model keeps MLA latents (its config names a ``kv_lora_rank``)."""
     text = text_config(model_dir)

@@ -329,6 +329,31 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     digest: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
 
+MAX_SAMPLE_LOGPROBS = 1024  # top logprobs one FirstToken carries, at most
+
+
+class SampleLogprobs(msgspec.Struct, frozen=True):
+    """vLLM's logprobs of one sampled position, as its sampler gives them:
+    the sampled token's id and logprob first, then the top ones in order;
+    ``rank`` is the sampled token's rank in the vocabulary."""
+
+    token_ids: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0)], ...],
+        msgspec.Meta(min_length=1, max_length=MAX_SAMPLE_LOGPROBS + 1),
+    ]
+    logprobs: Annotated[
+        tuple[float, ...],
+        msgspec.Meta(min_length=1, max_length=MAX_SAMPLE_LOGPROBS + 1),
+    ]
+    rank: Annotated[int, msgspec.Meta(ge=1)]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"{len(self.token_ids)} token ids for {len(self.logprobs)} logprobs"
+            )
+
+
 class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
     """Prefill → decode's scheduler, on the socket the transfer's
     Registration came from (early binding only: a late leg already starts
@@ -341,6 +366,9 @@ class FirstToken(msgspec.Struct, frozen=True, tag="first_token"):
     transfer_id: TransferId
     engine_id: Name
     token_id: Annotated[int, msgspec.Meta(ge=0)]
+    # the token's logprobs where the request asked for them (prefill's
+    # scheduler class sends them), so decode's output carries prefill's
+    logprobs: SampleLogprobs | None = None
 
 
 Message = (

@@ -80,8 +80,9 @@ def describe_model(model_dir: Path) -> str:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return model_dir.name
+    layers = cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type", ()))
     shape = [
-        f"{cfg.get('num_hidden_layers', '?')} layers",
+        f"{layers or '?'} layers",
         f"hidden {cfg.get('hidden_size', '?')}",
         f"{cfg.get('num_attention_heads', '?')} heads / "
         f"{cfg.get('num_key_value_heads', '?')} KV heads of "

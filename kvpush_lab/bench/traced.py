@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kvpush.model.kv_size import num_layers
 from kvpush_lab.bench.bandwidth import TransferSample, read_write_samples
 from kvpush_lab.bench.fragment import TracedWrite, read_traced_writes
 from kvpush_lab.bench.overlap import TransferTrace, read_transfers
@@ -54,10 +55,8 @@ def descriptor_stats(
 ) -> DescriptorStats | None:
     """Descriptor counts of the WRITEs the configuration traced, if any."""
     try:
-        num_layers = int(
-            json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-        )
-        return summarize_writes(read_write_sizes(run_dir), num_layers)
+        config = json.loads((model_dir / "config.json").read_text())
+        return summarize_writes(read_write_sizes(run_dir), num_layers(config))
     except (OSError, ValueError, KeyError) as e:
         console.print(f"[bold yellow]write sizes ignored:[/] {e}")
         return None

@@ -249,6 +249,13 @@ class TestKvPushSlidingWindowFp8Kv(TestKvPushFp8Kv):
 MLA_TP: dict[str, Any] = {"prefill_tp": 1, "decode_tp": 2}
 
 
+# The workload as requests decode cannot continue from prefill's first token
+# (min_tokens reads the output): decode computes it, as vllm-pull's does.
+MLA_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    n: (path, {**body, "min_tokens": 1}) for n, (path, body) in workload.SHAPES.items()
+}
+
+
 class TestKvPushMla(FamilyChecks):
     """DeepSeek-V2-style MLA: one 576-value latent per token and layer,
     which every TP rank holds whole. Decode runs TP 2, so prefill's one rank
@@ -276,25 +283,37 @@ class TestKvPushMla(FamilyChecks):
         run_dir = request.getfixturevalue("tmp_path_factory").mktemp("pull-mla")
         cluster = start_cluster("vllm-pull", model_dir, run_dir, **MLA_TP)
         try:
-            return {
-                n: workload.send(cluster.url, *r) for n, r in workload.SHAPES.items()
-            }
+            return {n: workload.send(cluster.url, *r) for n, r in MLA_SHAPES.items()}
         finally:
             cluster.stop()
 
-    # A request asking no logprobs continues from prefill's first token when
-    # it comes before the KV lands (kvpush's scheduler class on decode): on
-    # CPU MLA that is colocated's token, not the reference's (vllm-pull
-    # computes it on decode's decode path), and whether it comes first is
-    # timing. So those shapes are checked with the WRITEs held back, in
-    # test_the_first_token_from_prefill, not against vllm-pull here.
-    @pytest.mark.parametrize(
-        "name", sorted(n for n in workload.SHAPES if n not in workload.PLAIN)
-    )
+    # A request continues from prefill's first token when it comes before
+    # the KV lands (kvpush's scheduler class on decode): on CPU MLA that is
+    # colocated's token, not the reference's (vllm-pull computes it on
+    # decode's decode path), and whether it comes first is timing. So these
+    # checks send requests that cannot continue (MLA_SHAPES), and the
+    # continuation is checked with the WRITEs held back, in
+    # test_the_first_token_from_prefill.
+    @pytest.mark.parametrize("name", sorted(MLA_SHAPES))
     def test_matches_colocated(
         self, pd_cluster: Cluster, reference: workload.Outputs, name: str
     ) -> None:
-        super().test_matches_colocated(pd_cluster, reference, name)
+        reply = workload.send(pd_cluster.url, *MLA_SHAPES[name])
+        assert workload.mismatch(reference[name], reply) is None, workload.mismatch(
+            reference[name], reply
+        )
+
+    def test_either_arrival_order(
+        self, pd_cluster: Cluster, reference: workload.Outputs, first_leg: str
+    ) -> None:
+        name = "completion-long"
+        path, body = MLA_SHAPES[name]
+        reply = workload.send_legs_in_order(
+            pd_cluster, self.mode, path, body, first_leg
+        )
+        assert workload.mismatch(reference[name], reply) is None, workload.mismatch(
+            reference[name], reply
+        )
 
     def test_thirty_two_concurrent_mixed_lengths(self, pd_cluster: Cluster) -> None:
         _all_served(pd_cluster, workload.CONCURRENT)
@@ -400,8 +419,9 @@ def _all_served(
 class TestKvPushHybrid:
     """Nemotron-H-style Mamba2 + attention, prefix caching off (the
     launcher's choice for state models). A request that can continue from
-    prefill's first token loads the attention KV and the Mamba state;
-    one that cannot (logprobs asked) is computed by decode alone."""
+    prefill's first token (its logprobs too: prefill sends them) loads the
+    attention KV and the Mamba state; one that cannot (``min_tokens``) is
+    computed by decode alone."""
 
     mode = "kvpush"
     preset = "hybrid"
@@ -412,15 +432,16 @@ class TestKvPushHybrid:
 
     @pytest.mark.parametrize("name", sorted(workload.SHAPES))
     def test_equals_colocated(self, pd_cluster: Cluster, name: str) -> None:
-        path, body = workload.plain(workload.SHAPES[name])
+        path, body = workload.SHAPES[name]
         want = workload.send(pd_cluster.instance_url("prefill0"), path, body)
         got = workload.send(pd_cluster.url, path, body)
         assert workload.mismatch(want, got) is None, workload.mismatch(want, got)
 
-    def test_a_logprobs_request_is_computed_by_decode_and_equals_colocated(
+    def test_a_request_that_cannot_continue_is_computed_by_decode(
         self, pd_cluster: Cluster
     ) -> None:
         path, body = workload.SHAPES["completion-long"]
+        body = {**body, "min_tokens": 4}  # decode's output counts: not t1
         want = workload.send(pd_cluster.instance_url("prefill0"), path, body)
         got = workload.send(pd_cluster.url, path, body)
         assert workload.mismatch(want, got) is None, workload.mismatch(want, got)
@@ -430,8 +451,11 @@ class TestKvPushHybrid:
     ) -> None:
         faults.nudge(pd_cluster, "decode0")
         events = faults.counters(pd_cluster)["decode0"]
-        assert events["first_token.continued"] >= 1, events
-        assert events["digest_verified"] >= 1, events
+        # every shape, those asking logprobs too; the min_tokens one alone not
+        assert events["first_token.continued"] >= len(workload.SHAPES), events
+        assert events.get("first_token.recomputed.logprobs", 0) == 0, events
+        assert events["rejected.state_rewind"] == 1, events
+        assert events["digest_verified"] >= len(workload.SHAPES), events
         assert events["digest_mismatch"] == 0, events
         assert events["first_token.recomputed.state_rewound"] == 0, events
         assert not any(k.startswith("receive_failed.") and v for k, v in events.items())

@@ -122,12 +122,13 @@ class FirstTokenChecks:
     def test_decode_continues_from_prefills_first_token(
         self, pd_cluster: Cluster, reference: workload.Outputs
     ) -> None:
-        # Bound early, prefill tells decode the token it sampled; with the
-        # WRITE held back it is there before the KV lands, so decode makes
-        # it the prompt's last token (kvpush's scheduler class) rather than
-        # computing it again: colocated's output all the same, streamed and
-        # not (the router relays decode's whole answer when not streamed).
-        names = ("completion-stream-plain", "chat-plain")
+        # Bound early, prefill tells decode the token it sampled (and its
+        # logprobs, where asked); with the WRITE held back it is there before
+        # the KV lands, so decode makes it the prompt's last token (kvpush's
+        # scheduler class) rather than computing it again: colocated's output
+        # all the same, streamed and not (the router relays decode's whole
+        # answer when not streamed), its logprobs included.
+        names = ("completion-stream-plain", "chat-plain", "completion-stream", "chat")
         continued = _continued(pd_cluster)
         with faults.writes_held(pd_cluster):
             replies = {

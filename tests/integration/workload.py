@@ -67,8 +67,7 @@ def chat(
 
 
 def plain(shape: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """``shape`` asking no logprobs (as most clients do): kvpush's decode
-    continues from prefill's first token only for such a request."""
+    """``shape`` asking no logprobs (as most clients do)."""
     path, body = shape
     drop = ("logprobs", "top_logprobs")
     return path, {k: v for k, v in body.items() if k not in drop}

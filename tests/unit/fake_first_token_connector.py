@@ -11,11 +11,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from kvpush.transfer.messages import FirstToken, SampleLogprobs
+
 
 class FirstTokenConnector(KVConnectorBase_V1):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.tokens: dict[str, int] = {}  # req id -> prefill's first token
+        # req id -> prefill's first token (a bare id: without logprobs)
+        self.tokens: dict[str, int | FirstToken] = {}
+        self.kept: dict[str, SampleLogprobs] = {}  # keep_first_logprobs's
         self.outcomes: list[Any] = []  # first_token_outcome's reasons
         self.claimed: set[str] = set()
         self.expected: set[str] = set()  # req ids whose t1 prefill will tell
@@ -39,8 +43,14 @@ class FirstTokenConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
         return False, None
 
-    def first_token(self, request: Any) -> int | None:
-        return self.tokens.pop(request.request_id, None)
+    def first_token(self, request: Any) -> FirstToken | None:
+        first = self.tokens.pop(request.request_id, None)
+        if isinstance(first, int):
+            return FirstToken("t-" + request.request_id, "prefill0", first)
+        return first
+
+    def keep_first_logprobs(self, request: Any, logprobs: SampleLogprobs) -> None:
+        self.kept[request.request_id] = logprobs
 
     def awaits_first_token(self, request: Any) -> bool:
         rid = request.request_id

@@ -30,7 +30,7 @@ from kvpush.connector.decode.first_token import (
 from kvpush.connector.metadata import PrefillMetadata
 from kvpush.model import make_model
 from kvpush.transfer import groups
-from kvpush.transfer.messages import DecodeLeg, PrefillLeg, Registration
+from kvpush.transfer.messages import DecodeLeg, FirstToken, PrefillLeg, Registration
 from tests.unit import test_connector_hma as hma
 from tests.unit.test_model import SMALL
 
@@ -155,8 +155,8 @@ def test_decode_registers_the_state_as_the_prompts_last_block(
 
 @pytest.mark.parametrize(
     ("cls", "sampling"),
-    [(Scheduler, {}), (KvPushScheduler, {"logprobs": 1})],
-    ids=["vllm's scheduler", "logprobs"],
+    [(Scheduler, {}), (KvPushScheduler, {"min_tokens": 4})],
+    ids=["vllm's scheduler", "min_tokens"],
 )
 def test_a_leg_that_would_be_computed_again_is_served_locally(
     model_dir: pathlib.Path,
@@ -198,7 +198,7 @@ def test_a_loaded_state_continues_from_prefills_first_token(
     scheduler, _ = _decode(model_dir, monkeypatch, KvPushScheduler)
     request = hma._request(LEG)
     _landed(scheduler, request)
-    scheduler.connector._decode._first_tokens["t1"] = 77
+    scheduler.connector._decode._first_tokens["t1"] = FirstToken("t1", "prefill0", 77)
 
     out = scheduler.schedule()
 

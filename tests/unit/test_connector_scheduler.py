@@ -39,6 +39,7 @@ from kvpush.transfer.messages import (
     HelloRequest,
     PrefillLeg,
     Registration,
+    SampleLogprobs,
     claim_digest,
 )
 from tests.fakes.fake_block_tables import BlockState, apply
@@ -833,8 +834,24 @@ def test_prefill_tells_an_early_bound_decode_the_token_it_sampled(prefill):
 
     assert prefill.request_finished(req) == (True, None)
 
-    assert empty_step(prefill).first_tokens == {"t2": 77}
+    assert empty_step(prefill).first_tokens == {"t2": (77, None)}
     assert empty_step(prefill).first_tokens == {}, "told once"
+
+
+def test_prefill_tells_the_first_tokens_logprobs_kept_for_it(prefill):
+    req = FakeRequest("r2", PREFILL_PARAMS, output_token_ids=[77])
+    admit(prefill, req)
+    run_step(prefill, req, PROMPT, new(req, [9, 3, 4, 8, 1]))
+    logprobs = SampleLogprobs((77, 5), (-0.25, -1.5), rank=1)
+    prefill.keep_first_logprobs(req, logprobs)
+
+    prefill.request_finished(req)
+
+    assert empty_step(prefill).first_tokens == {"t2": (77, logprobs)}
+    other = FakeRequest("r3", {**PREFILL_PARAMS, "transfer_id": "t3"})
+    prefill.keep_first_logprobs(other, logprobs)  # never scheduled: a late
+    prefill.request_finished(other)  # ... finish forgets them
+    assert prefill._first_logprobs == {}
 
 
 @pytest.mark.parametrize(
@@ -875,7 +892,7 @@ def test_decode_hands_prefills_first_token_to_the_scheduler_class_once(decode):
     peers.queue_reply(FirstToken("t1", "p0", 77), (PREFILL_HOST, PREFILL_PORT))
 
     assert sched.awaits_first_token(req) is False  # read from the socket
-    assert sched.first_token(req) == 77
+    assert sched.first_token(req) == FirstToken("t1", "p0", 77)
     assert sched.first_token(req) is None, "taken"
     sched.first_token_outcome(None)
     assert sched.counters.get("first_token.missing") == 2

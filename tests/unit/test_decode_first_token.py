@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+import numpy as np
 import pytest
 from vllm.config import (
     CacheConfig,
@@ -26,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -38,6 +39,7 @@ from kvpush.connector.decode.first_token import (
 )
 from kvpush.connector.decode.step_time import DEFAULT_S
 from kvpush.model import make_model
+from kvpush.transfer.messages import FirstToken, SampleLogprobs
 from tests.unit.test_model import SMALL
 
 BLOCK = 16
@@ -101,22 +103,47 @@ def _request(rid: str = "r1", **sampling: Any) -> Request:
 
 
 def _step(scheduler: Any, out: SchedulerOutput, sampled: dict[str, list[int]],
-          recved: set[str] | None = None) -> dict[str, list[int]]:  # fmt: skip
+          recved: set[str] | None = None,
+          logprobs: LogprobsLists | None = None) -> dict[str, list[int]]:  # fmt: skip
     """Finish ``out`` as a model runner would: ``sampled`` tokens for the
-    requests it sampled, ``recved`` loads landed; the new tokens per request."""
+    requests it sampled, ``recved`` loads landed, ``logprobs`` one row per
+    scheduled request; the new tokens per request."""
+    return {
+        rid: tokens
+        for rid, (tokens, _) in _step_logprobs(
+            scheduler, out, sampled, recved, logprobs
+        ).items()
+    }
+
+
+def _step_logprobs(scheduler: Any, out: SchedulerOutput,
+                   sampled: dict[str, list[int]], recved: set[str] | None = None,
+                   logprobs: LogprobsLists | None = None,
+                   ) -> dict[str, tuple[list[int], Any]]:  # fmt: skip
+    """:func:`_step`, each request's new tokens with their logprobs."""
     ids = list(out.num_scheduled_tokens)
     runner = ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[sampled.get(r, []) for r in ids],
+        logprobs=logprobs,
         kv_connector_output=KVConnectorOutput(finished_recving=recved or set()),
     )
     engine_outputs = scheduler.update_from_output(out, runner)
     return {
-        o.request_id: list(o.new_token_ids)
+        o.request_id: (list(o.new_token_ids), o.new_logprobs)
         for outputs in engine_outputs.values()
         for o in outputs.outputs
     }
+
+
+def _rows(token_ids: list[list[int]], logprobs: list[list[float]],
+          ranks: list[int]) -> LogprobsLists:  # fmt: skip
+    return LogprobsLists(
+        np.asarray(token_ids, dtype=np.int32),
+        np.asarray(logprobs, dtype=np.float32),
+        np.asarray(ranks, dtype=np.int32),
+    )
 
 
 def _land(scheduler: Any, request: Request) -> None:
@@ -165,9 +192,32 @@ def test_without_prefills_token_decode_computes_it_again(
     assert _step(scheduler, out, {"r1": [T1]}) == {"r1": [T1]}
 
 
-def test_a_token_that_cannot_be_given_is_computed_again(
+@pytest.mark.parametrize("cls", [KvPushScheduler, KvPushAsyncScheduler])
+def test_a_logprobs_request_continues_with_prefills_logprobs_of_t1(
+    model_dir: pathlib.Path, cls: type
+) -> None:
+    scheduler = _scheduler(model_dir, cls)
+    _land(scheduler, _request(logprobs=2))
+    prefills = SampleLogprobs((T1, 5, T1), (-0.25, -1.5, -0.25), rank=1)
+    scheduler.connector.tokens["r1"] = FirstToken("t-r1", "prefill0", T1, prefills)
+
+    out = scheduler.schedule()
+
+    assert out.num_scheduled_tokens == {"r1": 1}  # t1's KV only
+    assert scheduler.connector.outcomes == [None]
+    # decode's batch asked for 3 top logprobs (another request): rows of 4
+    decodes = _rows([[T2, 9, T2, 11]], [[-0.5, -0.75, -0.5, -3.0]], [2])
+    tokens, logprobs = _step_logprobs(scheduler, out, {"r1": [T2]}, None, decodes)["r1"]
+    assert tokens == [T1, T2]
+    assert logprobs.logprob_token_ids.tolist() == [[T1, 5, T1], [T2, 9, T2]]
+    assert logprobs.logprobs.tolist() == [[-0.25, -1.5, -0.25], [-0.5, -0.75, -0.5]]
+    assert logprobs.sampled_token_ranks.tolist() == [1, 2]
+
+
+def test_a_logprobs_request_without_prefills_logprobs_computes_t1(
     model_dir: pathlib.Path,
 ) -> None:
+    """Prefill without kvpush's scheduler class sends t1 alone."""
     scheduler = _scheduler(model_dir, KvPushScheduler)
     _land(scheduler, _request(logprobs=1))
     scheduler.connector.tokens["r1"] = T1
@@ -205,7 +255,9 @@ def _landed(rid: str = "r1", **sampling: Any) -> Request:
         ({}, T1, None),
         ({"temperature": 1.0, "seed": 3}, T1, None),
         ({"repetition_penalty": 1.2}, T1, None),  # reads prompt and output alike
-        ({"logprobs": 0}, T1, NotGiven.LOGPROBS),
+        ({"logprobs": 0}, T1, None),  # prefill sends t1's (logprobs_missing)
+        ({"logprobs": -1}, T1, NotGiven.LOGPROBS),  # the whole vocabulary
+        ({"prompt_logprobs": 0}, T1, NotGiven.LOGPROBS),
         ({"min_tokens": 4}, T1, NotGiven.READS_OUTPUT),
         ({"presence_penalty": 0.5}, T1, NotGiven.READS_OUTPUT),
         ({"frequency_penalty": 0.5}, T1, NotGiven.READS_OUTPUT),
@@ -333,5 +385,31 @@ def test_a_request_that_could_not_continue_does_not_wait(
 ) -> None:
     scheduler = _scheduler(model_dir, KvPushScheduler)
     scheduler.connector.expected.add("r1")
-    _land(scheduler, _request(logprobs=1))
+    _land(scheduler, _request(min_tokens=4))
     assert scheduler.schedule().num_scheduled_tokens == {"r1": 1}
+
+
+# -- prefill's part: the logprobs of the first token it samples ------------------
+
+
+@pytest.mark.parametrize("cls", [KvPushScheduler, KvPushAsyncScheduler])
+def test_prefill_keeps_its_first_tokens_logprobs_for_the_connector(
+    model_dir: pathlib.Path, cls: type
+) -> None:
+    scheduler = _scheduler(model_dir, cls)
+    scheduler.connector.claimed.update({"p1", "p2"})  # computed here, not loaded
+    scheduler.add_request(_request("p1", logprobs=1))
+    scheduler.add_request(_request("p2"))  # no logprobs asked
+    out = scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {"p1", "p2"}  # each its whole prompt
+    rows = _rows([[T1, 5, 6], [T2, 7, 8]], [[-0.25, -1.0, -2.0], [-0.5, -1.0, -2.0]],
+                 [1, 1])  # fmt: skip
+
+    _step(scheduler, out, {"p1": [T1], "p2": [T2]}, None, rows)
+
+    # cut to what p1 asked: the sampled token and its 1 top logprob
+    assert scheduler.connector.kept == {"p1": SampleLogprobs((T1, 5), (-0.25, -1.0), 1)}
+    scheduler.connector.kept.clear()
+    out = scheduler.schedule()
+    _step(scheduler, out, {"p1": [T2], "p2": [T1]}, None, rows)
+    assert scheduler.connector.kept == {}  # only the first token's

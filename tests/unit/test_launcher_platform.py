@@ -99,9 +99,10 @@ def _kv(
 
 
 def _scheduler(role: str, mode: str, flavour: str) -> list[str]:
-    """A kvpush decode runs kvpush's scheduler class, in the flavour of the
-    platform's scheduling (``KvPushScheduler``, ``KvPushAsyncScheduler``)."""
-    if mode != "kvpush" or role != "decode":
+    """A kvpush prefill or decode runs kvpush's scheduler class, in the
+    flavour of the platform's scheduling (``KvPushScheduler``,
+    ``KvPushAsyncScheduler``)."""
+    if mode != "kvpush" or role == "colocated":
         return []
     return ["--scheduler-cls", f"kvpush.connector.decode.first_token.{flavour}"]
 

@@ -94,8 +94,8 @@ def test_exact_argv_and_env_per_role_and_mode(
             # prefill streams by default; decode pushes nothing
             "push_granularity": "auto" if role == "prefill" else "request",
         }
-    scheduler = []  # a kvpush decode continues from prefill's first token
-    if mode == "kvpush" and role == "decode":
+    scheduler = []  # a kvpush decode continues from prefill's first token,
+    if mode == "kvpush":  # ... whose logprobs a kvpush prefill sends
         scheduler = ["--scheduler-cls", SCHEDULER_CLASS]
     assert cmd == [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -29,6 +29,7 @@ from kvpush.transfer.messages import (
     HelloReply,
     HelloRequest,
     Message,
+    SampleLogprobs,
 )
 from tests.unit.prefill_pipeline_rig import (
     CANCEL_ROUTE,
@@ -522,9 +523,11 @@ def test_the_first_token_goes_to_the_registrations_socket(after_done):
         rig.tick(0.3)
         assert rig.phase() is None
 
-    rig.pipeline.on_first_token("t1", 77)
+    logprobs = SampleLogprobs((77,), (-0.5,), rank=1) if after_done else None
+    rig.pipeline.on_first_token("t1", 77, logprobs)
 
-    assert _first_tokens(rig) == [(REG_ROUTE, FirstToken("t1", PREFILL, 77))]
+    want = FirstToken("t1", PREFILL, 77, logprobs)
+    assert _first_tokens(rig) == [(REG_ROUTE, want)]
 
 
 def test_no_first_token_after_a_failure_or_without_a_registration():
@@ -533,8 +536,8 @@ def test_no_first_token_after_a_failure_or_without_a_registration():
     rig.register(0.1)
     rig.pipeline.on_prefill_cancel("t1", 0.2)  # its Failure is the final word
 
-    rig.pipeline.on_first_token("t1", 77)
-    rig.pipeline.on_first_token("t9", 78)  # no decode registered for it
+    rig.pipeline.on_first_token("t1", 77, None)
+    rig.pipeline.on_first_token("t9", 78, None)  # no decode registered for it
 
     assert _first_tokens(rig) == []
     assert rig.counters.get("first_token.unroutable") == 2

@@ -32,6 +32,7 @@ from kvpush.transfer.messages import (
     ProtocolError,
     Reconcile,
     Registration,
+    SampleLogprobs,
     TransferParams,
     decode,
     encode,
@@ -61,7 +62,15 @@ MESSAGES: list[Message] = [
     Reconcile("decode0", "boot1", ("kvp-1a2b", "kvp-3c4d")),
     Done("kvp-1a2b", "prefill0", num_blocks=3),
     FirstToken("kvp-1a2b", "prefill0", token_id=77),
+    FirstToken("kvp-1a2b", "prefill0", 77, SampleLogprobs((77, 5), (-0.5, -1.25), 1)),
 ]
+FIRST_WITH_LOGPROBS = MESSAGES[-1]
+
+
+def _first(**logprobs: Any) -> dict[str, Any]:
+    """FirstToken's body with its logprobs changed."""
+    fields = {"token_ids": [77], "logprobs": [-0.5], "rank": 1, **logprobs}
+    return _body(FIRST_WITH_LOGPROBS, logprobs=fields)
 
 
 def _raw(version: Any, body: Any) -> bytes:
@@ -131,6 +140,8 @@ def test_unknown_message_type_is_named() -> None:
         (_raw(PROTOCOL_VERSION, _body(REG, first_block=-1)), "first_block"),
         (_raw(PROTOCOL_VERSION, _body(MESSAGES[6], cause="bored")), "cause"),
         (_raw(PROTOCOL_VERSION, {"type": "done", "transfer_id": "t"}), "missing"),
+        (_raw(PROTOCOL_VERSION, _first(token_ids=[77, 5], logprobs=[-0.5])), "2 token"),
+        (_raw(PROTOCOL_VERSION, _first(rank=0)), "rank"),
     ],
 )
 def test_malformed_messages_are_refused_with_a_reason(data: bytes, reason: str) -> None:

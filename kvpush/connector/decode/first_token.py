@@ -27,14 +27,21 @@ recompute anyway).
 It is only an optimisation: a request goes the old way (``t1`` computed
 again; correct, one step slower) when ``t1`` did not come in time, or
 when :func:`why_not` names a reason it cannot be given: vLLM would treat
-``t1`` as a prompt token where it must be an output one (logprobs,
+``t1`` as a prompt token where it must be an output one (prompt logprobs,
 ``min_tokens``, presence and frequency penalties, repetition detection,
 structured output), ``t1`` ends the request, or the prompt is not plain
-token ids. ``vllm:kvpush_events_total{event="first_token.*"}`` counts
-each outcome.
+token ids; or when the request asks sample logprobs and ``t1`` came
+without them (:func:`logprobs_missing`).
+``vllm:kvpush_events_total{event="first_token.*"}`` counts each outcome.
 
-For a model with per-request state (Mamba; work in progress, see
-``plans/mamba.md``) the continuation is a rule, not an optimisation: vLLM
+Logprobs: the same class on prefill keeps the sample logprobs of each
+request's first token (``update_from_output``, before vLLM finishes the
+request), cut to what the request asked, for the connector to send with
+``t1``; decode puts them in front of its first output's own, so its API
+server reports prefill's for ``t1``, as a colocated instance would its own.
+
+For a model with per-request state (Mamba) the continuation is a rule,
+not an optimisation: vLLM
 computing the last prompt token again would apply it to the loaded state
 twice. A request that loaded such a state (the connector's
 ``requires_first_token``) waits for ``t1`` busy or not, up to
@@ -59,18 +66,23 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvpush.connector.decode.step_time import LoneStepTime
+from kvpush.transfer.messages import MAX_SAMPLE_LOGPROBS, FirstToken, SampleLogprobs
 
 logger = logging.getLogger(__name__)
 
 # How long a request that loaded a model's state (Mamba) waits for prefill's
 # first token, busy decode or not, before it is computed whole instead.
 STATE_FIRST_TOKEN_WAIT_S = 5.0
+# The most top logprobs a request may ask for and still continue from
+# prefill's first token (whose logprobs prefill sends; more: computed again).
+MAX_LOGPROBS = MAX_SAMPLE_LOGPROBS
 
 
 class NotGiven(enum.Enum):
@@ -79,7 +91,7 @@ class NotGiven(enum.Enum):
     PARTIAL_LOAD = "partial_load"  # the load failed, or left tokens to compute
     NOT_FIRST = "not_first"  # the request has output tokens already
     NOT_TOKENS = "not_tokens"  # prompt embeddings, multimodal or pooling
-    LOGPROBS = "logprobs"  # t1's logprobs would be missing from decode's output
+    LOGPROBS = "logprobs"  # prompt logprobs, or t1's logprobs did not come
     READS_OUTPUT = "reads_output"  # min_tokens, penalties, repetition, grammar
     ENDS = "ends"  # t1 stops the request, or it may have only one token
     TOO_LONG = "too_long"  # t1 reaches the model's length
@@ -117,7 +129,8 @@ def why_never(request: Any) -> NotGiven | None:
         or request.mm_features
     ):
         return NotGiven.NOT_TOKENS
-    if sp.logprobs is not None or sp.prompt_logprobs is not None:
+    k = sp.num_logprobs
+    if sp.prompt_logprobs is not None or (k is not None and not 0 <= k <= MAX_LOGPROBS):
         return NotGiven.LOGPROBS
     if (
         sp.min_tokens > 0
@@ -130,6 +143,47 @@ def why_never(request: Any) -> NotGiven | None:
     if request.max_tokens < 2:
         return NotGiven.ENDS
     return None
+
+
+def logprobs_missing(request: Any, logprobs: SampleLogprobs | None) -> bool:
+    """Whether ``request`` asks for sample logprobs that prefill's
+    ``logprobs`` of ``t1`` do not cover (none came: prefill runs without
+    kvpush's scheduler class)."""
+    k = request.sampling_params.num_logprobs
+    return k is not None and (logprobs is None or len(logprobs.token_ids) < k + 1)
+
+
+def sample_logprobs(lists: Any, index: int, k: int) -> SampleLogprobs:
+    """Request ``index``'s first row of vLLM's ``LogprobsLists`` (the
+    sampled token first, then the top ones), cut to the ``k + 1`` the
+    request asked for."""
+    row = lists.slice_request(index, 1)
+    return SampleLogprobs(
+        token_ids=tuple(int(t) for t in row.logprob_token_ids[0][: k + 1]),
+        logprobs=tuple(float(x) for x in row.logprobs[0][: k + 1]),
+        rank=int(row.sampled_token_ranks[0]),
+    )
+
+
+def with_first_logprobs(lists: Any, first: SampleLogprobs) -> Any:
+    """vLLM's ``LogprobsLists`` of one request's new tokens with ``first``'s
+    row in front (both cut to the narrower width: each holds at least the
+    ``k + 1`` entries the request asked for, and vLLM reads no more)."""
+    width = min(len(first.token_ids), lists.logprob_token_ids.shape[1])
+    ids, values, ranks = (
+        lists.logprob_token_ids,
+        lists.logprobs,
+        lists.sampled_token_ranks,
+    )
+    head_ids = np.asarray([first.token_ids[:width]], dtype=ids.dtype)
+    head_values = np.asarray([first.logprobs[:width]], dtype=values.dtype)
+    head_rank = np.asarray([first.rank], dtype=ranks.dtype)
+    return type(lists)(
+        np.vstack([head_ids, ids[:, :width]]),
+        np.vstack([head_values, values[:, :width]]),
+        np.concatenate([head_rank, ranks]),
+        None,
+    )
 
 
 def continue_from(request: Any, token_id: int) -> None:
@@ -154,7 +208,7 @@ class FirstTokenMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._kvpush_given: dict[str, int] = {}  # req id -> t1 its output lacks
+        self._kvpush_given: dict[str, FirstToken] = {}  # req id -> t1 it lacks
         self._kvpush_waits: dict[str, float] = {}  # req id -> wait deadline
         self._kvpush_clock = time.monotonic
         self._kvpush_step = LoneStepTime()  # how long an idle wait for t1 lasts
@@ -220,22 +274,41 @@ class FirstTokenMixin:
         connector: Any = self.connector  # type: ignore[attr-defined]
         if not hasattr(connector, "first_token"):  # not kvpush's connector
             return False
-        token_id = connector.first_token(request)
-        if token_id is None:
+        first: FirstToken | None = connector.first_token(request)
+        if first is None:
             return False
         if request.request_id in self.failed_recving_kv_req_ids:  # type: ignore[attr-defined]
             reason: NotGiven | None = NotGiven.PARTIAL_LOAD
         else:
-            reason = why_not(request, token_id, self.max_model_len)  # type: ignore[attr-defined]
+            reason = why_not(request, first.token_id, self.max_model_len)  # type: ignore[attr-defined]
+        if reason is None and logprobs_missing(request, first.logprobs):
+            reason = NotGiven.LOGPROBS
         connector.first_token_outcome(reason)
         if reason is None:
-            continue_from(request, token_id)
-            self._kvpush_given[request.request_id] = token_id
+            continue_from(request, first.token_id)
+            self._kvpush_given[request.request_id] = first
         return reason is None
+
+    def _keep_first_logprobs(self, model_runner_output: Any) -> None:
+        """Prefill's part: the logprobs of each request's first sampled
+        token, for the connector to tell its decode with the token."""
+        connector: Any = self.connector  # type: ignore[attr-defined]
+        lists = model_runner_output.logprobs
+        if lists is None or not hasattr(connector, "keep_first_logprobs"):
+            return
+        sampled = model_runner_output.sampled_token_ids
+        for rid, index in model_runner_output.req_id_to_index.items():
+            request = self.requests.get(rid)  # type: ignore[attr-defined]
+            if request is None or request.num_output_tokens or not sampled[index]:
+                continue  # not its first token (or none: a prompt's chunk)
+            k = request.sampling_params.num_logprobs
+            if k is not None and 0 <= k <= MAX_LOGPROBS:
+                connector.keep_first_logprobs(request, sample_logprobs(lists, index, k))
 
     def update_from_output(
         self, scheduler_output: Any, model_runner_output: Any
     ) -> Any:
+        self._keep_first_logprobs(model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         self._kvpush_step.ended(
             id(scheduler_output),
@@ -246,9 +319,14 @@ class FirstTokenMixin:
         if given:
             for engine_outputs in outputs.values():
                 for out in engine_outputs.outputs:
-                    token_id = given.pop(out.request_id, None)
-                    if token_id is not None:
-                        out.new_token_ids = [token_id, *out.new_token_ids]
+                    first = given.pop(out.request_id, None)
+                    if first is None:
+                        continue
+                    out.new_token_ids = [first.token_id, *out.new_token_ids]
+                    if out.new_logprobs is not None and first.logprobs is not None:
+                        out.new_logprobs = with_first_logprobs(
+                            out.new_logprobs, first.logprobs
+                        )
         for kept in (given, self._kvpush_waits):  # of requests finished since
             for rid in [r for r in kept if r not in self.requests]:  # type: ignore[attr-defined]
                 del kept[rid]

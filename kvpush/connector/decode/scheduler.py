@@ -111,7 +111,7 @@ class DecodeScheduler:
         self._receiving: dict[str, DecodeLeg] = {}  # registered, KV not in
         self._awaiting_first_step: dict[str, str] = {}  # req -> transfer id
         self._held: set[str] = set()  # aborted while receiving; vLLM keeps blocks
-        self._first_tokens: OrderedDict[str, int] = OrderedDict()  # tid -> token
+        self._first_tokens: OrderedDict[str, FirstToken] = OrderedDict()  # by tid
         self._meta = DecodeMetadata()
 
     def get_num_new_matched_tokens(
@@ -319,7 +319,7 @@ class DecodeScheduler:
                 self._keep_first_token(msg)
 
     def _keep_first_token(self, msg: FirstToken) -> None:
-        self._first_tokens[msg.transfer_id] = msg.token_id
+        self._first_tokens[msg.transfer_id] = msg
         self._first_tokens.move_to_end(msg.transfer_id)
         while len(self._first_tokens) > MAX_FIRST_TOKENS:
             self._first_tokens.popitem(last=False)
@@ -345,18 +345,18 @@ class DecodeScheduler:
         leg = self._early_leg(request)
         return leg is not None and leg.transfer_id not in self._first_tokens
 
-    def first_token(self, request: Any) -> int | None:
-        """The token prefill sampled after ``request``'s pushed prompt, if
-        it came (taken: asked once per request, when its KV landed); None
-        for any other request. Reads the sockets first, so a token that
-        came during this step counts."""
+    def first_token(self, request: Any) -> FirstToken | None:
+        """The token prefill sampled after ``request``'s pushed prompt (and
+        its logprobs where asked), if it came (taken: asked once per
+        request, when its KV landed); None for any other request. Reads the
+        sockets first, so a token that came during this step counts."""
         leg = self._early_leg(request)
         if leg is None:
             return None
-        token_id = self._first_tokens.pop(leg.transfer_id, None)
-        if token_id is None:
+        first = self._first_tokens.pop(leg.transfer_id, None)
+        if first is None:
             self.counters.add("first_token.missing")  # not in time: computed
-        return token_id
+        return first
 
     def _early_leg(self, request: Any) -> DecodeLeg | None:
         """``request``'s leg if bound early (prefill tells its first token;

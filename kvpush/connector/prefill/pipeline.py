@@ -91,6 +91,7 @@ from kvpush.transfer.messages import (
     Message,
     Reconcile,
     Registration,
+    SampleLogprobs,
 )
 from kvpush.transfer.ranks import TpPair
 
@@ -201,10 +202,12 @@ class Pipeline:
         self._orphans.forget(tid)
         self._stop(tid, Cause.CANCELLED, "prefill cancelled the request", now)
 
-    def on_first_token(self, tid: str, token_id: int) -> None:
+    def on_first_token(
+        self, tid: str, token_id: int, logprobs: SampleLogprobs | None
+    ) -> None:
         """Prefill sampled ``token_id`` after ``tid``'s prompt (early
-        binding): its decode may continue from it."""
-        self._tell.first_token(tid, token_id)
+        binding; ``logprobs`` where asked): its decode may continue from it."""
+        self._tell.first_token(tid, token_id, logprobs)
 
     def on_preempt(self, tids: Iterable[str], now: float) -> None:
         """vLLM preempted these transfers' prefill requests: anything not

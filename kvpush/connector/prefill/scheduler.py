@@ -68,7 +68,7 @@ from kvpush.connector.vllm_params import VllmPrefill
 from kvpush.side_channel_auth import is_wildcard
 from kvpush.transfer import groups
 from kvpush.transfer.groups import Groups
-from kvpush.transfer.messages import PrefillLeg
+from kvpush.transfer.messages import PrefillLeg, SampleLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,9 @@ class PrefillScheduler:
         self._streamed = config.streams
         self._is_state = tuple(g.is_state for g in config.kv_groups)
         self._refused: set[str] = set()  # legs whose push was refused at admission
+        # early-bound legs: request id -> its first token's logprobs (kept
+        # from the step that sampled it until request_finished, in that step)
+        self._first_logprobs: dict[str, SampleLogprobs] = {}
 
     def bind_block_pool(self, pool: Any) -> None:
         """vLLM's GPU block pool (``bind_gpu_block_pool``, called once the
@@ -223,6 +226,14 @@ class PrefillScheduler:
             )
         )
 
+    def keep_first_logprobs(self, request: Any, logprobs: SampleLogprobs) -> None:
+        """The logprobs of the first token prefill sampled for ``request``
+        (from kvpush's scheduler class), told to its decode with the token
+        where the leg is bound early."""
+        leg = self._legs.of(request)
+        if isinstance(leg, PrefillLeg) and leg.decode_engine_id is not None:
+            self._first_logprobs[request.request_id] = logprobs
+
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Keep a request's blocks while a WRITE out of them may still run.
         A vLLM-protocol leg whose whole prompt's KV is held answers what
@@ -230,6 +241,7 @@ class PrefillScheduler:
         ``kv_transfer_params``); every other request answers None."""
         rid = request.request_id
         leg = self._legs.of(request)  # parsed here if vLLM never scheduled it
+        logprobs = self._first_logprobs.pop(rid, None)
         vllm = self._legs.vllm_prefill(rid)
         self._legs.forget(rid)
         state = self._prefills.pop(rid, None)
@@ -248,7 +260,8 @@ class PrefillScheduler:
         elif leg.decode_engine_id is not None and request.output_token_ids:
             # Bound early, decode's leg left before this token existed: tell
             # its decode, which then need not compute it again.
-            self._meta.first_tokens[leg.transfer_id] = request.output_token_ids[0]
+            token_id = request.output_token_ids[0]
+            self._meta.first_tokens[leg.transfer_id] = (token_id, logprobs)
         if vllm is None or state is None or not state.final_sent:
             return True, None
         return True, self._answer(vllm)

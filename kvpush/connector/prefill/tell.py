@@ -28,7 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.connector.counters import Counters
-from kvpush.transfer.messages import Cause, Done, Failure, FirstToken, Message
+from kvpush.transfer.messages import (
+    Cause,
+    Done,
+    Failure,
+    FirstToken,
+    Message,
+    SampleLogprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +142,9 @@ class Teller:
         done = Done(tid, self._engine_id, num_blocks, rank=self._rank)
         self.words.put(tid, Word(decode_engine_id, done, route))
 
-    def first_token(self, tid: str, token_id: int) -> None:
+    def first_token(
+        self, tid: str, token_id: int, logprobs: SampleLogprobs | None = None
+    ) -> None:
         """Tell ``tid``'s decode scheduler the token prefill sampled, on the
         socket its Registration came from, while the transfer is open or
         after its WRITE completed (the token comes a step after the KV);
@@ -150,7 +159,7 @@ class Teller:
             self._counters.add("first_token.unroutable")
             return
         self._counters.add("first_token.sent")
-        self._reply(route, FirstToken(tid, self._engine_id, token_id))
+        self._reply(route, FirstToken(tid, self._engine_id, token_id, logprobs))
 
     def fail(
         self,

@@ -129,8 +129,8 @@ class PrefillWorker:
         if self._writer is None:
             return
         if self.config.tp_rank == 0:  # one rank tells decode's scheduler
-            for tid, token_id in meta.first_tokens.items():
-                self._writer.first_token(tid, token_id)
+            for tid, (token_id, logprobs) in meta.first_tokens.items():
+                self._writer.first_token(tid, token_id, logprobs)
         self._per_layer = [t for t in meta.triggers if self._goes_per_layer(t)]
         if self._per_layer and self._io is not None:
             self._layers = LayerFences(self._io.layout.num_layers)

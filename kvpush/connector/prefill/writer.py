@@ -35,7 +35,7 @@ from kvpush.connector.prefill.fence import LayerFences, ReadyFence
 from kvpush.connector.prefill.pipeline import Pipeline, Ready, WriterConfig
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.matcher import ReadyKv
-from kvpush.transfer.messages import Message, Registration
+from kvpush.transfer.messages import Message, Registration, SampleLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Kind(enum.Enum):
     LAYER = "layer"  # (LayerFences, layer, fence) from the worker's main thread
     CANCEL = "cancel"  # transfer id prefill gave up
     PREEMPT = "preempt"  # transfer ids from the worker's main thread
-    FIRST_TOKEN = "first_token"  # (transfer id, token id) from the main thread
+    FIRST_TOKEN = "first_token"  # (transfer id, token id, logprobs), main thread
     STOP = "stop"
 
 
@@ -131,10 +131,13 @@ class Writer:
         """From the worker's main thread: prefill gave the request up."""
         self._inbox.put((Kind.CANCEL, transfer_id))
 
-    def first_token(self, transfer_id: str, token_id: int) -> None:
+    def first_token(
+        self, transfer_id: str, token_id: int, logprobs: SampleLogprobs | None
+    ) -> None:
         """From the worker's main thread: the token prefill sampled after
-        the prompt of an early-bound transfer, for its decode."""
-        self._inbox.put((Kind.FIRST_TOKEN, (transfer_id, token_id)))
+        the prompt of an early-bound transfer (and its logprobs, where
+        asked), for its decode."""
+        self._inbox.put((Kind.FIRST_TOKEN, (transfer_id, token_id, logprobs)))
 
     def preempt(self, transfer_ids: set[str]) -> None:
         """From the worker's main thread, for requests vLLM preempted: close
