@@ -97,9 +97,13 @@ def layout_of(
             "state layers beside K and V kept apart: kvpush maps state pages "
             "in caches of one region per layer"
         )
-    for g in groups:
-        for k, name in enumerate(g.layers if g.is_state else ()):
-            _check_state_view(name, all_caches.get(name), base_addrs, k, block_bytes)
+    copy_bytes = [0] * len(groups)  # a whole block, but for state pages
+    for g, group in enumerate(groups):
+        for k, name in enumerate(group.layers if group.is_state else ()):
+            content = _check_state_view(
+                name, all_caches.get(name), base_addrs, k, block_bytes
+            )
+            copy_bytes[g] = max(copy_bytes[g], content)
     return KvLayout(
         num_blocks=num_blocks,
         block_bytes=block_bytes,
@@ -109,6 +113,7 @@ def layout_of(
         device_id=first.device.index or 0,
         kv_dtype=_dtype_name(first.dtype, cache_dtype),
         kv_groups=tuple(g.kind for g in groups),
+        group_copy_bytes=tuple(copy_bytes) if has_state else (),
     )
 
 
@@ -118,10 +123,11 @@ def _check_state_view(
     base_addrs: list[int],
     slot: int,
     block_bytes: int,
-) -> None:
+) -> int:
     """A state layer's cache (vLLM's one byte view of a Mamba layer's
     pages, ``[blocks, 1, 1, state bytes]``) is layer slot ``slot``'s memory,
-    block for block: a whole-block copy of the slot copies its state."""
+    block for block: a copy of the first bytes of the slot's block copies
+    its state. Returns how many (the state's bytes, the rest padding)."""
     if view is None or slot >= len(base_addrs):
         raise ValueError(f"state layer {name}: no cache, or no layer slot {slot}")
     page = view.stride(0) * view.element_size()
@@ -132,6 +138,7 @@ def _check_state_view(
             f"is not slot {slot}'s blocks of {block_bytes} bytes: kvpush maps "
             "state pages that share the attention layers' allocation"
         )
+    return content
 
 
 def _check_groups_alias(

@@ -120,16 +120,22 @@ def destination_ranges(
 ) -> Ranges:
     """Decode's side: where ``head_slice`` lands in every group's
     ``dst_block_ids`` of every layer, in address order (one range per block
-    per region; null blocks are not written, :func:`groups.aligned`)."""
-    ids = np.asarray(groups.real(dst_block_ids), dtype=np.uint64)
+    per region; null blocks are not written, :func:`groups.aligned`; a
+    group copied in part, its first ``KvLayout.copy_bytes`` of a block)."""
     head_bytes = dst.block_bytes // head_slice.dst.num_heads
-    offset = head_slice.dst_heads.start * head_bytes
+    offset = np.uint64(head_slice.dst_heads.start * head_bytes)
     bases = np.asarray(dst.base_addrs, dtype=np.uint64)
-    starts = bases[:, None] + ids[None, :] * np.uint64(dst.block_bytes)
-    out = np.empty((starts.size, 2), dtype=np.uint64)
-    out[:, 0] = np.sort(starts.reshape(-1)) + np.uint64(offset)
-    out[:, 1] = head_slice.num_heads * head_bytes
-    return out
+    parts = []
+    for g, table in enumerate(dst_block_ids):
+        ids = np.asarray(groups.real((table,)), dtype=np.uint64)
+        starts = (bases[:, None] + ids[None, :] * np.uint64(dst.block_bytes)).ravel()
+        part = np.empty((starts.size, 2), dtype=np.uint64)
+        copy = dst.copy_bytes(g)
+        part[:, 0] = starts + (offset if copy is None else np.uint64(0))
+        part[:, 1] = head_slice.num_heads * head_bytes if copy is None else copy
+        parts.append(part)
+    out = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.uint64)
+    return np.ascontiguousarray(out[np.argsort(out[:, 0], kind="stable")])
 
 
 def digest(ranges: Ranges, read: Read) -> bytes:

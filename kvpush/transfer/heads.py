@@ -300,16 +300,22 @@ def group_descriptors(
     """:func:`slice_descriptors` for each KV-cache group's pairs
     (:mod:`kvpush.transfer.groups`), in group order, as one WRITE's two
     arrays, and how many block runs they hold. One group gives exactly
-    :func:`slice_descriptors`'s arrays."""
+    :func:`slice_descriptors`'s arrays. A group whose copy is the first
+    bytes of a block (``KvLayout.copy_bytes``: a state page) is one row of
+    that many bytes per block per region, whole heads only."""
     srcs, dsts, num_runs = [], [], 0
-    for s, d in zip(src_groups, dst_groups, strict=True):
+    for g, (s, d) in enumerate(zip(src_groups, dst_groups, strict=True)):
         if not s:
             continue
         block_runs = runs(s, d)
-        src_d, dst_d = slice_descriptors(block_runs, src, dst, layers, head_slice)
+        if src.copy_bytes(g) is None:
+            src_d, dst_d = slice_descriptors(block_runs, src, dst, layers, head_slice)
+            num_runs += len(block_runs)
+        else:  # each block a run of its own
+            src_d, dst_d = _page_starts(s, d, src, dst, layers, head_slice, g)
+            num_runs += len(s)
         srcs.append(src_d)
         dsts.append(dst_d)
-        num_runs += len(block_runs)
     if len(srcs) == 1:
         return srcs[0], dsts[0], num_runs
     if not srcs:
@@ -317,6 +323,33 @@ def group_descriptors(
         return empty, empty.copy(), 0
     src_all = np.ascontiguousarray(np.concatenate(srcs))
     return src_all, np.ascontiguousarray(np.concatenate(dsts)), num_runs
+
+
+def _page_starts(
+    src_ids: Sequence[int],
+    dst_ids: Sequence[int],
+    src: KvLayout,
+    dst: KvLayout,
+    layers: range,
+    head_slice: HeadSlice,
+    group: int,
+) -> tuple[Descs, Descs]:
+    """The first ``KvLayout.copy_bytes(group)`` bytes of each block pair in
+    each region of ``layers``: group ``group`` holds less than a block (a
+    state page), copied whole between ranks of equal TP (``ValueError`` for
+    another head slice or page)."""
+    copy = src.copy_bytes(group)
+    if copy is None or dst.copy_bytes(group) != copy or not head_slice.is_whole_block:
+        raise ValueError(
+            f"group {group}'s pages, copied in part, go whole to a rank of the "
+            f"same heads and page bytes ({copy} and {dst.copy_bytes(group)}); "
+            f"not {head_slice}"
+        )
+    singles = np.ones((len(src_ids), 3), dtype=np.int64)
+    singles[:, 0], singles[:, 1] = src_ids, dst_ids
+    src_d, dst_d = descriptors(singles, src, dst, layers)
+    src_d[:, 1] = dst_d[:, 1] = copy
+    return src_d, dst_d
 
 
 def _blocks(

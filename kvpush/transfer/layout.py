@@ -20,7 +20,10 @@ KV-cache groups (vLLM's hybrid manager: sliding-window layers beside full
 ones) share the regions: layer ``k`` of every group is layer slot ``k``,
 one block pool for all, so block ``b`` of a slot belongs to whichever group
 holds ``b`` for its request. ``kv_groups`` names each group's kind; two
-instances copy block for block only when they group alike.
+instances copy block for block only when they group alike. A group whose
+blocks hold less than a block's bytes (a Mamba state, padded to the
+attention page) copies only its first ``group_copy_bytes[g]`` bytes of
+each region's block (0, or no entries: the whole block).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class KvLayout(msgspec.Struct, frozen=True):
         tuple[Annotated[str, msgspec.Meta(max_length=64)], ...],
         msgspec.Meta(max_length=64),
     ] = ("full",)
+    # bytes a copy of each group's block takes from the start of each
+    # region's block (0: all of it; empty: every group all of it)
+    group_copy_bytes: Annotated[tuple[NonNegInt, ...], msgspec.Meta(max_length=64)] = ()
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_bytes < 1 or self.block_size < 1:
@@ -73,6 +79,15 @@ class KvLayout(msgspec.Struct, frozen=True):
             raise ValueError(
                 f"base_addrs must hold a positive multiple of regions_per_layer="
                 f"{self.regions_per_layer} addresses, got {len(self.base_addrs)}"
+            )
+        copies = self.group_copy_bytes
+        if copies and (
+            len(copies) != len(self.kv_groups)
+            or any(not 0 <= c <= self.block_bytes for c in copies)
+        ):
+            raise ValueError(
+                f"group_copy_bytes {copies} must name each of the "
+                f"{len(self.kv_groups)} groups at most block_bytes={self.block_bytes}"
             )
         span = self.num_blocks * self.block_bytes
         for addr in self.base_addrs:
@@ -114,6 +129,12 @@ class KvLayout(msgspec.Struct, frozen=True):
         start = layer * self.regions_per_layer
         return range(start, start + self.regions_per_layer)
 
+    def copy_bytes(self, group: int) -> int | None:
+        """The bytes a copy of a block of KV-cache group ``group`` takes
+        from the start of each region's block; None for the whole block."""
+        copies = self.group_copy_bytes
+        return (copies[group] or None) if copies else None
+
     def block_addr(self, region: int, block_id: int) -> int:
         """Address of block ``block_id`` in region ``region``."""
         if not 0 <= block_id < self.num_blocks:
@@ -132,6 +153,7 @@ def compat_problem(local: KvLayout, remote: KvLayout) -> str | None:
         "regions_per_layer",
         "kv_dtype",
         "kv_groups",
+        "group_copy_bytes",
     ):
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:

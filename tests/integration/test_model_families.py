@@ -39,7 +39,7 @@ from tests.integration.conftest import Cluster, start_cluster
 from tests.integration.test_pd_matches_colocated import PDChecks
 
 pytestmark = pytest.mark.integration
-SWA_BLOCK = 128  # vLLM's CPU attention block (docs/model-families.md)
+CPU_BLOCK = 128  # vLLM's CPU attention block (docs/model-families.md)
 
 
 @pytest.fixture(scope="class")
@@ -102,19 +102,14 @@ class TestKvPushSlidingWindow(FamilyChecks):
         reply = workload.send(pd_cluster.url, *workload.completion(prompt, False, 2))
         assert reply.status == 200, reply.body
         num_tokens = int(reply.body["usage"]["prompt_tokens"])
-        want = kv_size.pushed_bytes(model_dir, "float32", num_tokens, SWA_BLOCK)
+        want = kv_size.pushed_bytes(model_dir, "float32", num_tokens, CPU_BLOCK)
         all_blocks = (
-            -(-num_tokens // SWA_BLOCK)
-            * SWA_BLOCK
+            -(-num_tokens // CPU_BLOCK)
+            * CPU_BLOCK
             * kv_size.kv_bytes_per_token(model_dir, "float32")
         )
         assert want < all_blocks, "the prompt must be longer than the window"
-        deadline = time.monotonic() + 10  # vLLM reports stats after a step
-        while True:
-            written = faults.instance_metric(pd_cluster, "prefill0", name) - before
-            if written == want or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        written = _written_since(pd_cluster, before, want)
         assert written == want, f"wrote {written} bytes, decode keeps {want}"
 
     @pytest.mark.parametrize("num_tokens", [255, 383])
@@ -385,6 +380,18 @@ class TestKvPushMla(FamilyChecks):
         super().test_down_stops_every_process(pd_cluster)
 
 
+def _written_since(cluster: Cluster, before: float, want: float) -> float:
+    """Prefill0's KV bytes written since ``before``, once they reach
+    ``want`` or 10 s passed (vLLM reports stats after a step)."""
+    name = names.KVPUSH_WRITE_BYTES.sum
+    deadline = time.monotonic() + 10
+    while True:
+        written = faults.instance_metric(cluster, "prefill0", name) - before
+        if written == want or time.monotonic() > deadline:
+            return written
+        time.sleep(0.2)
+
+
 def _first_only(name: str) -> tuple[str, dict[str, Any]]:
     """Workload shape ``name`` cut to its first token, not streamed."""
     path, body = workload.SHAPES[name]
@@ -436,6 +443,22 @@ class TestKvPushHybrid:
         want = workload.send(pd_cluster.instance_url("prefill0"), path, body)
         got = workload.send(pd_cluster.url, path, body)
         assert workload.mismatch(want, got) is None, workload.mismatch(want, got)
+
+    def test_pushes_the_attention_blocks_and_each_state_once(
+        self, pd_cluster: Cluster, model_dir: Path
+    ) -> None:
+        """The WRITEs carry every attention block of the prompt and each
+        Mamba layer's state, its bytes only (not the page it is padded to)."""
+        before = faults.instance_metric(
+            pd_cluster, "prefill0", names.KVPUSH_WRITE_BYTES.sum
+        )
+        prompt = workload.text_of(700, seed=2601)  # in no earlier request
+        reply = workload.send(pd_cluster.url, *workload.completion(prompt, False, 2))
+        assert reply.status == 200, reply.body
+        num_tokens = int(reply.body["usage"]["prompt_tokens"])
+        want = kv_size.pushed_bytes(model_dir, "float32", num_tokens, CPU_BLOCK)
+        written = _written_since(pd_cluster, before, want)
+        assert written == want, f"wrote {written} bytes, decode needs {want}"
 
     def test_a_request_that_cannot_continue_is_computed_by_decode(
         self, pd_cluster: Cluster

@@ -278,6 +278,8 @@ def test_mamba_state_pages_are_mapped_as_the_attention_slot_they_share():
     assert layout.num_layers == 1 and layout.block_bytes == 131072
     assert layout.base_addrs == (attention.data_ptr(),)
     assert layout.kv_groups == tuple(g.kind for g in groups)
+    # a state copies its 39,296 bytes (conv then SSM state), not the padding
+    assert layout.group_copy_bytes == ((3 * 544 + 16 * 32 * 16) * 4,) * 2 + (0,)
     assert groups[0].kind == groups[1].kind
     assert groups[0].kind.startswith("state:mamba2:")
 

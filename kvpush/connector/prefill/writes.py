@@ -135,7 +135,7 @@ class Writes:
         notify = items[-1].notify
         done = Done(tid, self._engine_id, total, rank=self._rank, digest=digest)
         layouts = (self._io.layout, peer.layout)
-        srcs, dsts, num_runs, num_bytes = [], [], 0, 0
+        srcs, dsts, num_runs = [], [], 0
         for item in items:
             src, dst, item_runs = group_descriptors(
                 item.src_block_ids,
@@ -147,7 +147,6 @@ class Writes:
             srcs.append(src)
             dsts.append(dst)
             num_runs += item_runs
-            num_bytes += item.num_blocks * len(item.layers)
         src, dst = (srcs[0], dsts[0]) if len(items) == 1 else _joined(srcs, dsts)
         notif = encode(done) if notify else b""
         refused: WriteRefused | None = None
@@ -164,7 +163,6 @@ class Writes:
             flight.failed, flight.next_try = True, now
             logger.warning("kvpush: the WRITE of %s failed at post: %s", tid, refused)
             return False
-        layout = self._io.layout
         self._tracer.mark(
             tid,
             "write_posted",
@@ -174,9 +172,7 @@ class Writes:
             num_runs=num_runs,
             num_blocks=sum(item.num_blocks for item in items),
             num_layers=len({layer for item in items for layer in item.layers}),
-            num_bytes=num_bytes
-            * _slice_bytes(layout.block_bytes, head_slice)
-            * layout.regions_per_layer,
+            num_bytes=int(src[:, 1].sum()),  # what the descriptors copy
         )
         return True
 
@@ -249,11 +245,6 @@ class Writes:
 
     def __len__(self) -> int:
         return len(self._inflight)
-
-
-def _slice_bytes(block_bytes: int, head_slice: HeadSlice) -> int:
-    """Bytes of ``head_slice``'s heads in one of the source's blocks."""
-    return block_bytes // head_slice.src.num_heads * head_slice.num_heads
 
 
 def _joined(srcs: list[Descs], dsts: list[Descs]) -> tuple[Descs, Descs]:
