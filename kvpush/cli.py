@@ -438,9 +438,9 @@ def up_config(args: argparse.Namespace) -> Any:
 
 
 def _apply_model_preset(values: dict[str, Any], name: str) -> None:
-    """The preset's model (made on first use) and the CPU sizes it needs
-    (on CUDA the model's context and vLLM's GPU memory do), unless the file
-    or the flags gave them."""
+    """The preset's model (made on first use) and the CPU sizes and dtype
+    it needs (on CUDA the model's context, dtype and vLLM's GPU memory do),
+    unless the file or the flags gave them."""
     from kvpush.launcher.platform import Platform
     from kvpush.model.presets import ensure_preset, preset
 
@@ -452,6 +452,7 @@ def _apply_model_preset(values: dict[str, Any], name: str) -> None:
     if values["platform"] == Platform.CPU:
         values.setdefault("kv_cache_space_gb", chosen.kv_cache_space_gb)
         values.setdefault("max_model_len", chosen.max_model_len)
+        values.setdefault("dtype", chosen.spec.dtype)  # gdn: bfloat16 only
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

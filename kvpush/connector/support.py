@@ -339,22 +339,26 @@ def _is_latent(kv_cache_config: Any) -> bool:
 
 
 _MAMBA_REASON = (
-    "state caches of Mamba, Mamba2 or gated-delta-net layers (hybrid "
-    "models such as Nemotron-H, Qwen3-Next, Jamba or Granite 4) hold "
-    "one conv and SSM state per request, not per-token blocks; kvpush "
-    "does not copy them yet, serve a model without them"
+    "per-request states of this kind are not mapped by kvpush; the "
+    "MambaSpec states of Mamba2 (Nemotron-H) and gated delta net "
+    "(Qwen3-Next) are, serve a model without them"
 )
+
+
+# Per-request states kvpush copies (vLLM's MambaAttentionBackendEnum names):
+# each run on a cluster here (docs/model-families.md).
+MAPPED_STATES: tuple[str, ...] = ("MAMBA2", "GDN_ATTN")
 
 
 def _state_problem(spec: Any) -> str | None:
     """Why a Mamba layer's per-request state cannot be copied whole, once,
     as one page a request, or None (``docs/design.md``, state groups)."""
     name = f"MambaSpec layers: {spec.mamba_type.name} state, "
-    if spec.mamba_type.name != "MAMBA2":
+    if spec.mamba_type.name not in MAPPED_STATES:
         return name + (
-            "only Mamba2 state (Nemotron-H, Granite 4, Zamba 2) is mapped by "
-            "kvpush; gated-delta-net, linear, short-conv and Mamba1 states are "
-            "not, serve a model without them"
+            "only Mamba2 (Nemotron-H, Granite 4, Zamba 2) and gated-delta-net "
+            "(Qwen3-Next, Qwen3.5) states are mapped by kvpush; linear, "
+            "short-conv and Mamba1 states are not, serve a model without them"
         )
     if spec.mamba_cache_mode != "none":
         return name + (

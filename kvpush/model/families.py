@@ -16,6 +16,11 @@ A family is an architecture with its own KV-cache shape in vLLM:
   with attention and MLP layers (pattern :data:`HYBRID_PATTERN`).
 - ``moe``: Qwen3-MoE (``Qwen3MoeForCausalLM``), grouped-query full attention
   with a mixture-of-experts MLP in every layer.
+- ``gdn``: Qwen3-Next (``Qwen3NextForCausalLM``), gated-delta-net layers
+  (a per-request state, like Mamba2's) before a full-attention one, a
+  mixture of experts in every layer. vLLM's CPU build runs gated delta net
+  in bfloat16 only, with key and value heads of 64 or more (its kernel's
+  sizes), so the preset is bfloat16 and those are fixed.
 
 The spec's shape fields mean the same in every family where they apply
 (``num_kv_heads`` is unused by ``mla``; ``head_dim`` is its
@@ -31,13 +36,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-FAMILIES: tuple[str, ...] = ("dense", "mla", "swa", "hybrid", "moe")
+FAMILIES: tuple[str, ...] = ("dense", "mla", "swa", "hybrid", "moe", "gdn")
 ARCHITECTURES: dict[str, str] = {
     "dense": "Qwen3ForCausalLM",
     "mla": "DeepseekV2ForCausalLM",
     "swa": "Gemma3ForCausalLM",
     "hybrid": "NemotronHForCausalLM",
     "moe": "Qwen3MoeForCausalLM",
+    "gdn": "Qwen3NextForCausalLM",
 }
 
 # mla: vLLM's CPU MLA decode kernel compiles for a 576-wide latent only.
@@ -53,6 +59,12 @@ HYBRID_PATTERN = "M-*-M-"
 MAMBA_HEAD_DIM = 32
 MAMBA_STATE_SIZE = 16
 MAMBA_GROUPS = 1
+# gdn, Qwen3-Next: three gated-delta-net layers, then a full-attention one;
+# vLLM's CPU gated-delta-net kernel takes heads of 64 or 128 values.
+GDN_LAYER_TYPES = ("linear_attention",) * 3 + ("full_attention",)
+GDN_HEAD_DIM = 64
+GDN_KEY_HEADS = 2
+GDN_VALUE_HEADS = 4
 
 
 def hf_config(
@@ -85,6 +97,11 @@ def layers_problem(family: str, requested: int) -> str | None:
             f"the hybrid family has {len(HYBRID_PATTERN)} layers "
             f"({HYBRID_PATTERN!r}); set num_layers {len(HYBRID_PATTERN)}"
         )
+    if family == "gdn" and requested != len(GDN_LAYER_TYPES):
+        return (
+            f"the gdn family has {len(GDN_LAYER_TYPES)} layers "
+            f"({GDN_LAYER_TYPES}); set num_layers {len(GDN_LAYER_TYPES)}"
+        )
     if family == "swa" and requested < FULL_ATTENTION_EVERY:
         return (
             f"the swa family needs at least {FULL_ATTENTION_EVERY} layers "
@@ -107,13 +124,9 @@ def kv_bytes_per_token(spec: Any) -> int:
     layers = spec.num_layers
     if spec.family == "hybrid":
         layers = HYBRID_PATTERN.count("*")
+    if spec.family == "gdn":
+        layers = GDN_LAYER_TYPES.count("full_attention")
     return 2 * layers * spec.num_kv_heads * spec.head_dim * element
-
-
-def unit_norm_weight(family: str) -> float:
-    """The norm weight that scales by one: Gemma's RMSNorm multiplies by
-    ``1 + weight``, the others by ``weight``."""
-    return 0.0 if family == "swa" else 1.0
 
 
 def swa_layer_types(num_layers: int) -> list[str]:
@@ -207,6 +220,29 @@ def _moe(spec: Any, common: dict[str, Any]) -> PretrainedConfig:
     )
 
 
+def _gdn(spec: Any, common: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **common,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        layer_types=list(GDN_LAYER_TYPES),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=GDN_HEAD_DIM,
+        linear_value_head_dim=GDN_HEAD_DIM,
+        linear_num_key_heads=GDN_KEY_HEADS,
+        linear_num_value_heads=GDN_VALUE_HEADS,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=NUM_EXPERTS_PER_TOKEN,
+        moe_intermediate_size=spec.intermediate_size // 2,
+        shared_expert_intermediate_size=spec.intermediate_size // 2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+
+
 def _with(common: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {**common, **extra}
 
@@ -217,4 +253,5 @@ _BUILDERS = {
     "swa": _swa,
     "hybrid": _hybrid,
     "moe": _moe,
+    "gdn": _gdn,
 }

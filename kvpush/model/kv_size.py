@@ -15,9 +15,17 @@ from pathlib import Path
 from typing import Any
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_ATTENTION_BLOCKS = ("attention", "full_attention")
-# transformers' names of Nemotron-H's Mamba2 layers (its letter M)
-_STATE_BLOCKS = ("mamba", "linear_attention")
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+# transformers' names of a layer's kind (layer_types; Nemotron-H's
+# layers_block_type names its Mamba2 layers, letter M, "mamba" or
+# "linear_attention", as Qwen3-Next names its gated-delta-net ones)
+_KINDS = {
+    "full_attention": "full_attention",
+    "attention": "full_attention",
+    "sliding_attention": "sliding_attention",
+    "mamba": "state",
+    "linear_attention": "state",
+}
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
@@ -49,11 +57,21 @@ def text_config(model_dir: Path) -> dict[str, Any] | None:
     return text if isinstance(text, dict) else None
 
 
+def layer_kinds(config: dict[str, Any]) -> list[str]:
+    """Each decoder layer's kind: ``full_attention``, ``sliding_attention``,
+    ``state`` (Mamba2 or gated-delta-net: a per-request state) or ``other``
+    (an MLP-only layer), from ``layer_types`` (Gemma 3, Qwen3-Next),
+    Nemotron-H's ``layers_block_type``, else ``num_hidden_layers`` of full
+    attention."""
+    names = config.get("layer_types") or config.get("layers_block_type")
+    if not names:
+        return ["full_attention"] * int(config["num_hidden_layers"])
+    return [_KINDS.get(str(n), "other") for n in names]
+
+
 def num_layers(config: dict[str, Any]) -> int:
-    """The model's decoder layers (Nemotron-H names them in
-    ``layers_block_type`` and has no ``num_hidden_layers``)."""
-    blocks = config.get("layers_block_type")
-    return len(blocks) if blocks else int(config["num_hidden_layers"])
+    """The model's decoder layers."""
+    return len(layer_kinds(config))
 
 
 def is_mla(model_dir: Path) -> bool:
@@ -63,14 +81,14 @@ def is_mla(model_dir: Path) -> bool:
 
 
 def has_state(model_dir: Path) -> bool:
-    """The model has Mamba-style state layers (Nemotron-H's
-    ``hybrid_override_pattern`` letter M, or its ``layers_block_type``)."""
+    """The model has state layers (Mamba2, gated delta net: :func:`layer_kinds`;
+    or Nemotron-H's ``hybrid_override_pattern`` letter M)."""
     text = text_config(model_dir)
     if text is None:
         return False
     pattern = text.get("hybrid_override_pattern") or ""
-    blocks = text.get("layers_block_type") or ()
-    return "M" in str(pattern) or any(b in _STATE_BLOCKS for b in blocks)
+    names = text.get("layer_types") or text.get("layers_block_type") or ()
+    return "M" in str(pattern) or any(_KINDS.get(str(n)) == "state" for n in names)
 
 
 def is_moe(model_dir: Path) -> bool:
@@ -80,11 +98,7 @@ def is_moe(model_dir: Path) -> bool:
 
 
 def _values_per_token(config: dict[str, Any]) -> int:
-    blocks = config.get("layers_block_type")  # Nemotron-H: no num_hidden_layers
-    if blocks:
-        layers = sum(1 for b in blocks if b in _ATTENTION_BLOCKS)
-    else:
-        layers = int(config["num_hidden_layers"])
+    layers = sum(1 for k in layer_kinds(config) if k in _ATTENTION_KINDS)
     if config.get("kv_lora_rank"):
         return layers * (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]))
     heads = int(config["num_attention_heads"])
@@ -93,7 +107,13 @@ def _values_per_token(config: dict[str, Any]) -> int:
     return 2 * layers * kv_heads * head_dim
 
 
-def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) -> int:
+def pushed_bytes(
+    model_dir: Path,
+    dtype: str,
+    num_tokens: int,
+    block_size: int,
+    ssm_dtype: str | None = None,
+) -> int:
     """The KV bytes decode keeps of a ``num_tokens`` prompt it holds none
     of, in ``block_size``-token blocks, with vLLM's hybrid KV-cache manager
     on: every block of a full-attention layer; of a sliding-window layer
@@ -101,6 +121,9 @@ def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) 
     blocks from the one holding the first token its window still reads
     for the next token (token ``num_tokens - sliding_window + 1``; one
     earlier where that is a block's first token) on.
+    Each state layer's state once (:func:`state_bytes`; ``ssm_dtype``:
+    vLLM's ``mamba_ssm_cache_dtype`` as the instance resolved it, which a
+    platform may choose).
     What a push must write, no more (vLLM pads a last short group with
     unused layer slots, which a push also writes: not counted here)."""
     if num_tokens < 1 or block_size < 1:
@@ -109,12 +132,9 @@ def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) 
     if config is None:
         raise ValueError(f"cannot read the KV shape of {model_dir}")
     per_token = kv_bytes_per_token(model_dir, dtype)
-    blocks_types = config.get("layers_block_type") or ()
-    kinds = config.get("layer_types") or ["full_attention"] * (
-        sum(1 for b in blocks_types if b in _ATTENTION_BLOCKS)
-        or int(config["num_hidden_layers"])
-    )
-    states = sum(1 for b in blocks_types if b in _STATE_BLOCKS)
+    all_kinds = layer_kinds(config)
+    kinds = [k for k in all_kinds if k in _ATTENTION_KINDS]
+    states = all_kinds.count("state")
     blocks = -(-num_tokens // block_size)
     window = config.get("sliding_window")
     skipped = 0 if not window else max(0, num_tokens - int(window) + 1)
@@ -126,21 +146,37 @@ def pushed_bytes(model_dir: Path, dtype: str, num_tokens: int, block_size: int) 
     skipped //= block_size
     kept = [blocks - skipped if k == "sliding_attention" else blocks for k in kinds]
     kv = sum(kept) * block_size * per_token // len(kinds)
-    return kv + (states * state_bytes(config, dtype) if states else 0)
+    return kv + (states * state_bytes(config, dtype, ssm_dtype) if states else 0)
 
 
-def state_bytes(config: dict[str, Any], dtype: str) -> int:
-    """One request's Mamba2 state in one state layer (Nemotron-H's config
-    keys): the conv state, ``conv_kernel - 1`` columns of the conv's
-    channels (the heads' values, then B and C of every group), in
-    ``dtype``, and the SSM state, ``head_dim x ssm_state_size`` per head,
-    in ``mamba_ssm_cache_dtype`` (``dtype`` when unset)."""
-    heads, head_dim = int(config["mamba_num_heads"]), int(config["mamba_head_dim"])
-    groups, size = int(config["n_groups"]), int(config["ssm_state_size"])
-    conv = (heads * head_dim + 2 * groups * size) * (int(config["conv_kernel"]) - 1)
-    ssm_dtype = config.get("mamba_ssm_cache_dtype") or dtype
+def state_bytes(
+    config: dict[str, Any], dtype: str, ssm_dtype: str | None = None
+) -> int:
+    """One request's state in one state layer: its conv state, ``kernel -
+    1`` columns of the conv's channels, in ``dtype``, and its recurrent
+    state, in ``ssm_dtype`` (else the config's ``mamba_ssm_cache_dtype``;
+    ``auto`` or unset: ``dtype``). Mamba2
+    (Nemotron-H's keys): channels are the heads' values then B and C of
+    every group, the SSM state ``head_dim x ssm_state_size`` per head.
+    Gated delta net (Qwen3-Next's ``linear_*`` keys): channels are the
+    keys twice (q and k) and the values, the state ``value dim x key dim``
+    per value head."""
+    if "linear_num_value_heads" in config:
+        k_heads, k_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+        v_heads, v_dim = (
+            config["linear_num_value_heads"],
+            config["linear_value_head_dim"],
+        )
+        channels = 2 * int(k_heads) * int(k_dim) + int(v_heads) * int(v_dim)
+        kernel = int(config["linear_conv_kernel_dim"])
+        recurrent = int(v_heads) * int(v_dim) * int(k_dim)
+    else:
+        heads, head_dim = int(config["mamba_num_heads"]), int(config["mamba_head_dim"])
+        groups, size = int(config["n_groups"]), int(config["ssm_state_size"])
+        channels = heads * head_dim + 2 * groups * size
+        kernel = int(config["conv_kernel"])
+        recurrent = heads * head_dim * size
+    ssm_dtype = ssm_dtype or config.get("mamba_ssm_cache_dtype") or dtype
     ssm_dtype = ssm_dtype if ssm_dtype in _ELEMENT_BYTES else dtype
-    return (
-        conv * _ELEMENT_BYTES[dtype]
-        + heads * head_dim * size * _ELEMENT_BYTES[ssm_dtype]
-    )
+    conv = channels * (kernel - 1) * _ELEMENT_BYTES[dtype]
+    return conv + recurrent * _ELEMENT_BYTES[ssm_dtype]

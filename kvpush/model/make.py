@@ -30,7 +30,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from kvpush.model.corpus import iter_documents
-from kvpush.model.families import hf_config, unit_norm_weight
+from kvpush.model.families import hf_config
 from kvpush.model.spec import SPEC_FILENAME, ModelSpec
 
 EOS_TOKEN = "<|im_end|>"
@@ -129,14 +129,14 @@ def build_config(
 
 
 def _reinitialise(model: torch.nn.Module, spec: ModelSpec) -> None:
-    """Draw every weight from ``normal(0, init_std)``; norms scale by 1."""
+    """Draw every weight from ``normal(0, init_std)`` but the norms', which
+    keep transformers' own initialisation: the scale of one (ones, or zeros
+    where a norm multiplies by ``1 + weight``, as Gemma's and most of
+    Qwen3-Next's do)."""
     generator = torch.Generator().manual_seed(spec.seed)
-    unit_norm = unit_norm_weight(spec.family)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(unit_norm)
-            else:
+            if "norm" not in name:
                 values = torch.empty(param.shape, dtype=torch.float32)
                 values.normal_(0.0, spec.init_std, generator=generator)
                 param.copy_(values)

@@ -1,6 +1,8 @@
 """Named model shapes: ``tiny`` (the default), ``kv-heavy``, and one tiny
 model per family whose KV cache vLLM shapes differently (``mla``, ``swa``,
-``hybrid``, ``moe``; :mod:`kvpush.model.families`, docs/model-families.md).
+``hybrid``, ``moe``, ``gdn``; :mod:`kvpush.model.families`,
+docs/model-families.md). ``gdn`` is bfloat16, the one dtype vLLM's CPU
+build runs gated delta net in; ``kvpush up --model-preset gdn`` serves it so.
 
 ``kv-heavy`` is shaped so that moving the KV cache matters: 8 layers, 8 KV
 heads of dim 128, hidden 256, float32, so ``2 * 8 * 8 * 128 * 4`` =
@@ -59,6 +61,12 @@ PRESETS: dict[str, Preset] = {
         ModelSpec(family="hybrid", num_layers=6), "tiny-hybrid-nemotron-h", 1, 4096
     ),
     "moe": Preset(ModelSpec(family="moe"), "tiny-moe-qwen3", 1, 4096),
+    "gdn": Preset(
+        ModelSpec(family="gdn", num_layers=4, dtype="bfloat16"),
+        "tiny-gdn-qwen3-next",
+        1,
+        4096,
+    ),
 }
 
 

@@ -42,8 +42,8 @@ class ModelSpec:
 
     Attributes:
         family: Architecture (:data:`kvpush.model.families.FAMILIES`):
-            ``dense`` (Qwen3, the default), ``mla``, ``swa``, ``hybrid``
-            or ``moe``.
+            ``dense`` (Qwen3, the default), ``mla``, ``swa``, ``hybrid``,
+            ``moe`` or ``gdn``.
         num_layers: Number of decoder layers.
         hidden_size: Width of the residual stream.
         num_heads: Number of attention (query) heads.

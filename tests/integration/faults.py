@@ -29,7 +29,7 @@ from kvpush.launcher import process as proc
 from kvpush.launcher.instances import FAULT_FILE
 from kvpush.router.connector_stats import events_of
 from kvpush.router.first_token import Outcome
-from kvpush.telemetry.names import ROUTER_FIRST_TOKEN
+from kvpush.telemetry.names import CACHE_CONFIG_INFO, ROUTER_FIRST_TOKEN
 from kvpush.telemetry.reader import Exposition, Name
 from kvpush.transfer.messages import (
     MAX_MESSAGE_BYTES,
@@ -154,6 +154,15 @@ def instance_metric(cluster: Cluster, name: str, sample: Name, **labels: str) ->
     """One sample (a family or a sample name; summed over vLLM's engines) of
     instance ``name``; 0 if absent."""
     return metric(instance_metrics(cluster, name), sample, **labels) or 0.0
+
+
+def cache_config(cluster: Cluster, name: str) -> dict[str, str]:
+    """Instance ``name``'s KV cache settings as vLLM resolved them (the
+    labels of ``vllm:cache_config_info``: ``block_size``, ...)."""
+    text = instance_metrics(cluster, name)
+    for sample in Exposition.parse(text).samples(CACHE_CONFIG_INFO):
+        return dict(sample.labels)
+    raise AssertionError(f"{name} exports no {CACHE_CONFIG_INFO.name}")
 
 
 def counters(cluster: Cluster) -> dict[str, collections.Counter[str]]:

@@ -432,6 +432,7 @@ class TestKvPushHybrid:
 
     mode = "kvpush"
     preset = "hybrid"
+    dtype = "float32"
     cluster_options: ClassVar[dict[str, Any]] = {
         "max_num_batched_tokens": 256,
         "verify_kv": "all",
@@ -456,7 +457,11 @@ class TestKvPushHybrid:
         reply = workload.send(pd_cluster.url, *workload.completion(prompt, False, 2))
         assert reply.status == 200, reply.body
         num_tokens = int(reply.body["usage"]["prompt_tokens"])
-        want = kv_size.pushed_bytes(model_dir, "float32", num_tokens, CPU_BLOCK)
+        cache = faults.cache_config(pd_cluster, "prefill0")  # as vLLM resolved it
+        want = kv_size.pushed_bytes(
+            model_dir, self.dtype, num_tokens, int(cache["block_size"]),
+            ssm_dtype=cache["mamba_ssm_cache_dtype"],
+        )  # fmt: skip
         written = _written_since(pd_cluster, before, want)
         assert written == want, f"wrote {written} bytes, decode needs {want}"
 
@@ -485,3 +490,16 @@ class TestKvPushHybrid:
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         pd_cluster.stop()
+
+
+class TestKvPushGdn(TestKvPushHybrid):
+    """Qwen3-Next-style gated delta net + attention (MoE): its per-request
+    state (conv and recurrent) copied as the Mamba2 one. vLLM's CPU build
+    runs gated delta net in bfloat16 only."""
+
+    preset = "gdn"
+    dtype = "bfloat16"
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushHybrid.cluster_options,
+        "dtype": "bfloat16",
+    }

@@ -93,3 +93,23 @@ def test_a_mamba_hybrid_needs_its_attention_blocks_and_each_state_once(tmp_path:
     assert (
         pushed_bytes(d, "float32", 1000, 128) == 8 * 128 * PER_LAYER_TOKEN + 2 * state
     )
+
+
+def test_a_gated_delta_net_hybrid_needs_each_state_in_the_dtypes_vllm_chose(
+    tmp_path: Path,
+):
+    # the gdn preset's shape (Qwen3-Next): three gated-delta-net layers, one
+    # attention layer, bfloat16; vLLM's CPU build keeps the recurrent state
+    # in float32 where it accelerates gated delta net (cache_config_info)
+    d = model(
+        tmp_path, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+    )  # fmt: skip
+    conv = (2 * 2 * 64 + 4 * 64) * 3 * 2  # q, k and v channels, 3 columns, bf16
+    attention = 4 * 256 * (2 * 2 * 64 * 2)  # 1,000 tokens in 4 blocks of 256
+    want = attention + 3 * (conv + 4 * 64 * 64 * 4)
+    assert pushed_bytes(d, "bfloat16", 1000, 256, ssm_dtype="float32") == want
+    in_bf16 = attention + 3 * (conv + 4 * 64 * 64 * 2)
+    assert pushed_bytes(d, "bfloat16", 1000, 256, ssm_dtype="auto") == in_bf16

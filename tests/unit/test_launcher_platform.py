@@ -475,9 +475,14 @@ def test_an_mla_model_in_float32_on_cpu_runs_vllms_reference_mla_backend(
 def test_a_model_with_mamba_state_runs_without_prefix_caching(tmp_path: Path) -> None:
     """vLLM's CPU build cannot run such a model with prefix caching, and
     kvpush copies its one running state, not per-block checkpoints."""
-    hybrid, dense = tmp_path / "hybrid", tmp_path / "dense"
-    blocks = ["linear_attention", "mlp", "full_attention"]
-    for path, config in ((hybrid, {"layers_block_type": blocks}), (dense, {})):
+    hybrid, gdn, dense = tmp_path / "hybrid", tmp_path / "gdn", tmp_path / "dense"
+    blocks = ["linear_attention", "mlp", "full_attention"]  # Nemotron-H's
+    types = ["linear_attention", "full_attention"]  # Qwen3-Next's
+    for path, config in (
+        (hybrid, {"layers_block_type": blocks}),
+        (gdn, {"layer_types": types}),
+        (dense, {}),
+    ):
         path.mkdir()
         (path / "config.json").write_text(json.dumps(config))
 
@@ -487,6 +492,7 @@ def test_a_model_with_mamba_state_runs_without_prefix_caching(tmp_path: Path) ->
         return [a for a in cmd if "prefix-caching" in a]
 
     assert caching(hybrid) == ["--no-enable-prefix-caching"]
+    assert caching(gdn) == ["--no-enable-prefix-caching"]
     assert caching(dense) == []
     assert caching(hybrid, "--", "--enable-prefix-caching") == [
         "--enable-prefix-caching"

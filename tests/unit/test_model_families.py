@@ -1,4 +1,4 @@
-"""The model-family presets (mla, swa, hybrid, moe): configs transformers and
+"""The model-family presets (mla, swa, hybrid, moe, gdn): configs transformers and
 vLLM accept, the KV-cache groups vLLM 0.32 makes of their layers, and what
 kvpush's start-up check says about those groups.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +25,7 @@ from vllm.config import CacheConfig, ParallelConfig
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -41,7 +43,7 @@ from kvpush.model.kv_size import kv_bytes_per_token
 from kvpush.model.presets import PRESETS, preset
 from kvpush.model.spec import ModelSpec
 
-FAMILY_PRESETS = ("mla", "swa", "hybrid", "moe")
+FAMILY_PRESETS = ("mla", "swa", "hybrid", "moe", "gdn")
 VOCAB = 4096
 # Block sizes vLLM 0.32's CPU platform picked in a colocated run: 128 by
 # default, 16 forced for its CPU MLA kernel; for the hybrid model the
@@ -112,6 +114,16 @@ def test_hybrid_mixes_mamba2_attention_and_mlp_layers(hf_configs):
     assert config.mamba_num_heads * config.mamba_head_dim == 2 * config.hidden_size
 
 
+def test_gdn_puts_gated_delta_nets_before_attention_in_the_cpu_kernels_sizes(
+    hf_configs,
+):
+    config = hf_configs["gdn"]
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert config.linear_key_head_dim == config.linear_value_head_dim == 64
+    assert str(config.dtype).endswith("bfloat16")  # the CPU build's one dtype
+    assert preset("gdn").spec.dtype == "bfloat16"
+
+
 def test_moe_routes_each_token_to_two_of_eight_experts(hf_configs):
     config = hf_configs["moe"]
     assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
@@ -126,6 +138,7 @@ def test_moe_routes_each_token_to_two_of_eight_experts(hf_configs):
         ("swa", 6 * 2 * 2 * 64 * 4),  # every layer, as kvpush's vLLM keeps them
         ("hybrid", 1 * 2 * 2 * 64 * 4),  # the one attention layer
         ("moe", 2 * 2 * 2 * 64 * 4),
+        ("gdn", 1 * 2 * 2 * 64 * 2),  # the one attention layer, bfloat16
     ],
 )
 def test_kv_bytes_per_token_counts_the_layers_that_keep_per_token_kv(
@@ -140,7 +153,7 @@ def test_kv_size_reads_the_same_bytes_per_token_from_config_json(
 ):
     spec = preset(name).spec
     families.hf_config(spec.family, spec, VOCAB, 2, 0).save_pretrained(tmp_path)
-    from_file = kv_bytes_per_token(tmp_path, "float32")
+    from_file = kv_bytes_per_token(tmp_path, spec.dtype)
     assert from_file == PRESETS[name].kv_bytes_per_token
 
 
@@ -160,9 +173,15 @@ def test_make_model_builds_each_family_with_norms_that_scale_by_one(
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == [families.ARCHITECTURES[name]]
     weights = load_file(tmp_path / "model.safetensors")
-    norms = {float(w.flatten()[0]) for k, w in weights.items() if "norm" in k}
-    assert norms == {families.unit_norm_weight(name)}
-    assert families.unit_norm_weight(name) == (0.0 if name == "swa" else 1.0)
+    norms = {
+        k: set(w.float().flatten().tolist()) for k, w in weights.items() if "norm" in k
+    }
+    # each its identity: ones, or zeros where it multiplies by 1 + weight
+    zero_centred = {"swa": "", "gdn": "layernorm|model.norm|q_norm|k_norm"}
+    for key, values in norms.items():
+        pattern = zero_centred.get(name)
+        centred = pattern is not None and re.search(pattern or ".", key) is not None
+        assert values == ({0.0} if centred else {1.0}), key
 
 
 def test_a_spec_without_a_family_is_the_dense_model():
@@ -206,6 +225,8 @@ def layer_specs(name: str, config: PretrainedConfig) -> dict[str, KVCacheSpec]:
         }
     if name == "hybrid":
         return _hybrid_specs(config, dtype)
+    if name == "gdn":
+        return _gdn_specs(config)
     attention = {"num_kv_heads": config.num_key_value_heads, "head_size": 64}
     types = getattr(config, "layer_types", None) or ["full_attention"] * (
         config.num_hidden_layers
@@ -258,6 +279,40 @@ def _hybrid_specs(config: PretrainedConfig, dtype: torch.dtype) -> dict:
     return specs
 
 
+def _gdn_specs(config: PretrainedConfig) -> dict:
+    """Qwen3-Next's layers as the colocated run logged them: bfloat16 conv
+    state, float32 recurrent state, 256-token attention blocks (the page
+    holding one state), prefix caching off ('none')."""
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        tp_world_size=1,
+        num_k_heads=config.linear_num_key_heads,
+        num_v_heads=config.linear_num_value_heads,
+        head_k_dim=config.linear_key_head_dim,
+        head_v_dim=config.linear_value_head_dim,
+        conv_kernel_size=config.linear_conv_kernel_dim,
+    )
+    block, token_bytes = 256, 2 * config.num_key_value_heads * config.head_dim * 2
+    specs: dict[str, KVCacheSpec] = {}
+    for i, kind in enumerate(config.layer_types):
+        if kind == "linear_attention":
+            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                block_size=block,
+                shapes=tuple(shapes),
+                dtypes=(torch.bfloat16, torch.float32),
+                page_size_padded=block * token_bytes,
+                mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                mamba_cache_mode="none",
+            )
+        else:
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=block,
+                num_kv_heads=config.num_key_value_heads,
+                head_size=config.head_dim,
+                dtype=torch.bfloat16,
+            )
+    return specs
+
+
 def vllm_groups(name: str, config: PretrainedConfig, hma: bool) -> KVCacheConfig:
     """The kv_cache_config vLLM hands a connector for this preset."""
     specs = layer_specs(name, config)
@@ -272,7 +327,9 @@ def vllm_groups(name: str, config: PretrainedConfig, hma: bool) -> KVCacheConfig
     )
 
 
-def _vllm_config(block_size: int, hma: bool) -> SimpleNamespace:
+def _vllm_config(
+    block_size: int, hma: bool, dtype: torch.dtype = torch.float32
+) -> SimpleNamespace:
     cache_config = CacheConfig(block_size=block_size)
     cache_config.kv_cache_layout = "LBHNC"  # resolved by EngineCore
     return SimpleNamespace(
@@ -281,7 +338,7 @@ def _vllm_config(block_size: int, hma: bool) -> SimpleNamespace:
         speculative_config=None,
         cache_config=cache_config,
         parallel_config=ParallelConfig(),
-        model_config=SimpleNamespace(dtype=torch.float32),
+        model_config=SimpleNamespace(dtype=dtype),
     )
 
 
@@ -356,6 +413,29 @@ def test_hybrid_with_prefix_caching_keeps_state_checkpoints_kvpush_refuses(hf_co
     assert "3 KV-cache groups" in message
     assert "MambaSpec layers: MAMBA2 state, mamba cache mode 'align'" in message
     assert "--no-enable-prefix-caching" in message
+
+
+def test_gdn_state_groups_are_served_beside_attention(hf_configs):
+    kv = vllm_groups("gdn", hf_configs["gdn"], hma=True)
+    assert kinds(kv) == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
+    assert check_supported(_vllm_config(256, True, torch.bfloat16), kv) is None
+    groups = kv_groups_of(kv)
+    assert [g.is_state for g in groups] == [True] * 3 + [False]
+    assert groups[0].kind.startswith("state:gdn_attn:")
+
+
+@pytest.mark.parametrize("mamba_type", ["MAMBA1", "SHORT_CONV", "LINEAR"])
+def test_other_state_kinds_are_refused_by_name(hf_configs, mamba_type: str):
+    kv = vllm_groups("gdn", hf_configs["gdn"], hma=True)
+    for group in kv.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            group.kv_cache_spec = dataclasses.replace(
+                group.kv_cache_spec, mamba_type=MambaAttentionBackendEnum[mamba_type]
+            )
+    with pytest.raises(
+        UnsupportedConfig, match=f"MambaSpec layers: {mamba_type} state"
+    ):
+        check_supported(_vllm_config(256, True, torch.bfloat16), kv)
 
 
 def test_hybrid_without_the_hybrid_manager_fails_in_vllm_before_kvpush(hf_configs):

@@ -59,3 +59,17 @@ def test_up_with_the_kv_heavy_preset_sizes_its_kv_space(monkeypatch, tmp_path: P
         ["up", "--model-preset", "kv-heavy", "--kv-cache-space-gb", "2"]
     )
     assert up_config(args).kv_cache_space_gb == 2, "a flag wins over the preset"
+
+
+def test_up_with_the_gdn_preset_serves_it_in_bfloat16(monkeypatch, tmp_path: Path):
+    """vLLM's CPU build runs gated delta net in bfloat16 only."""
+    import kvpush.model.presets as presets
+    from kvpush.cli import _parser, up_config
+
+    monkeypatch.setattr(presets, "ensure_preset", lambda home, name: tmp_path)
+    argv = ["up", "--mode", "kvpush", "--model-preset", "gdn", "--platform", "cpu"]
+    assert up_config(_parser().parse_args(argv)).dtype == "bfloat16"
+    tiny = ["up", "--model-preset", "tiny", "--platform", "cpu"]
+    assert up_config(_parser().parse_args(tiny)).dtype == "float32"
+    given = [*argv, "--dtype", "float32"]
+    assert up_config(_parser().parse_args(given)).dtype == "float32", "a flag wins"
