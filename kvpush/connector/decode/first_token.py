@@ -40,23 +40,23 @@ request), cut to what the request asked, for the connector to send with
 ``t1``; decode puts them in front of its first output's own, so its API
 server reports prefill's for ``t1``, as a colocated instance would its own.
 
-For a model with per-request state (Mamba) the continuation is a rule,
-not an optimisation: vLLM
-computing the last prompt token again would apply it to the loaded state
-twice. A request that loaded such a state (the connector's
-``requires_first_token``) waits for ``t1`` busy or not, up to
-:data:`STATE_FIRST_TOKEN_WAIT_S`; without it its load is failed and vLLM
-computes the prompt whole (``first_token.recomputed.state_without_t1``).
+For a model with per-request state (Mamba2, gated delta net) the
+continuation is a rule, not an optimisation: vLLM computing the last
+prompt token again would apply it to the loaded state twice. A request
+that loaded such a state (the connector's ``requires_first_token``) waits
+for ``t1`` busy or not, up to :data:`STATE_FIRST_TOKEN_WAIT_S`; without it
+its load is failed and vLLM computes the prompt whole
+(``first_token.recomputed.state_without_t1``).
 
 vLLM's scheduler interface is not public; the mixin's overrides
 (``_update_waiting_for_remote_kv``, ``_handle_blocked_waiting_request``,
-``update_from_output``; ``schedule`` only times steps) are the hook, pinned to vLLM 0.32
-(``requirements``) and tested against its real
+``update_from_output``; ``schedule`` only times steps) are the hook,
+pinned to vLLM 0.32 (``requirements``) and tested against its real
 schedulers (``tests/unit/test_decode_first_token.py``). Use
 :class:`KvPushScheduler` with vLLM's synchronous scheduling (the CPU
 build's only one) and :class:`KvPushAsyncScheduler` with async scheduling
 (GPUs' default): ``--scheduler-cls`` replaces vLLM's own choice of the two.
-``kvpush up`` sets it on every decode.
+``kvpush up`` sets it on every prefill and decode of a pair.
 """
 
 from __future__ import annotations
