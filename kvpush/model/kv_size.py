@@ -63,10 +63,16 @@ def layer_kinds(config: dict[str, Any]) -> list[str]:
     (an MLP-only layer), from ``layer_types`` (Gemma 3, Qwen3-Next),
     Nemotron-H's ``layers_block_type``, else ``num_hidden_layers`` of full
     attention."""
-    names = config.get("layer_types") or config.get("layers_block_type")
+    names = _layer_names(config)
     if not names:
         return ["full_attention"] * int(config["num_hidden_layers"])
     return [_KINDS.get(str(n), "other") for n in names]
+
+
+def _layer_names(config: dict[str, Any]) -> list[Any]:
+    """transformers' per-layer names: ``layer_types``, or Nemotron-H's
+    ``layers_block_type``; empty when the config has neither."""
+    return list(config.get("layer_types") or config.get("layers_block_type") or ())
 
 
 def num_layers(config: dict[str, Any]) -> int:
@@ -87,8 +93,8 @@ def has_state(model_dir: Path) -> bool:
     if text is None:
         return False
     pattern = text.get("hybrid_override_pattern") or ""
-    names = text.get("layer_types") or text.get("layers_block_type") or ()
-    return "M" in str(pattern) or any(_KINDS.get(str(n)) == "state" for n in names)
+    states = (_KINDS.get(str(n)) == "state" for n in _layer_names(text))
+    return "M" in str(pattern) or any(states)
 
 
 def is_moe(model_dir: Path) -> bool:

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from kvpush import env
 from kvpush.model import ModelSpec, default_model_dir
+from kvpush.model.kv_size import num_layers
 from kvpush.model.presets import ensure_preset, preset_dir
 from kvpush_lab.bench.config import BenchConfig
 from kvpush_lab.bench.lengths import read_trace
@@ -80,9 +81,12 @@ def describe_model(model_dir: Path) -> str:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return model_dir.name
-    layers = cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type", ()))
+    try:
+        layers: int | str = num_layers(cfg)
+    except (KeyError, TypeError, ValueError):
+        layers = "?"
     shape = [
-        f"{layers or '?'} layers",
+        f"{layers} layers",
         f"hidden {cfg.get('hidden_size', '?')}",
         f"{cfg.get('num_attention_heads', '?')} heads / "
         f"{cfg.get('num_key_value_heads', '?')} KV heads of "

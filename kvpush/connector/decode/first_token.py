@@ -80,9 +80,6 @@ logger = logging.getLogger(__name__)
 # How long a request that loaded a model's state (Mamba) waits for prefill's
 # first token, busy decode or not, before it is computed whole instead.
 STATE_FIRST_TOKEN_WAIT_S = 5.0
-# The most top logprobs a request may ask for and still continue from
-# prefill's first token (whose logprobs prefill sends; more: computed again).
-MAX_LOGPROBS = MAX_SAMPLE_LOGPROBS
 
 
 class NotGiven(enum.Enum):
@@ -130,7 +127,7 @@ def why_never(request: Any) -> NotGiven | None:
     ):
         return NotGiven.NOT_TOKENS
     k = sp.num_logprobs
-    if sp.prompt_logprobs is not None or (k is not None and not 0 <= k <= MAX_LOGPROBS):
+    if sp.prompt_logprobs is not None or (k is not None and not sends_logprobs(k)):
         return NotGiven.LOGPROBS
     if (
         sp.min_tokens > 0
@@ -143,6 +140,13 @@ def why_never(request: Any) -> NotGiven | None:
     if request.max_tokens < 2:
         return NotGiven.ENDS
     return None
+
+
+def sends_logprobs(k: int) -> bool:
+    """Whether prefill sends ``t1``'s logprobs for a request asking ``k``
+    top ones (``-1``, the whole vocabulary, and more than a ``FirstToken``
+    carries are computed again on decode)."""
+    return 0 <= k <= MAX_SAMPLE_LOGPROBS
 
 
 def logprobs_missing(request: Any, logprobs: SampleLogprobs | None) -> bool:
@@ -302,7 +306,7 @@ class FirstTokenMixin:
             if request is None or request.num_output_tokens or not sampled[index]:
                 continue  # not its first token (or none: a prompt's chunk)
             k = request.sampling_params.num_logprobs
-            if k is not None and 0 <= k <= MAX_LOGPROBS:
+            if k is not None and sends_logprobs(k):
                 connector.keep_first_logprobs(request, sample_logprobs(lists, index, k))
 
     def update_from_output(
