@@ -9,7 +9,7 @@ it, whatever the push granularity: whole, per chunk, per layer), ordered
 by their **destination address** in decode's memory. Prefill hashes its
 source ranges of those copies (:func:`source_ranges`, over every prompt
 block it writes from decode's ``first_block`` on, every layer, its
-:class:`~kvpush.transfer.heads.HeadSlice` of each block), in the order of
+:class:`~kvpush.transfer.shares.HeadSlice` of each block), in the order of
 the destination ranges they land in; decode hashes its destination ranges
 (:func:`destination_ranges`: its registered blocks, its layout, the head
 slice it receives from that prefill rank), in address order. Destination
@@ -41,8 +41,9 @@ import numpy.typing as npt
 
 from kvpush.transfer import groups
 from kvpush.transfer.groups import GroupBlocks
-from kvpush.transfer.heads import HeadSlice, group_descriptors
+from kvpush.transfer.heads import group_descriptors
 from kvpush.transfer.layout import KvLayout
+from kvpush.transfer.shares import HeadSlice
 
 VERIFY_MODES: tuple[str, ...] = ("off", "sample", "all")
 DEFAULT_VERIFY_KV = "off"

@@ -13,9 +13,9 @@ KV cache, so every worker rank is a kvpush endpoint of its own:
   :func:`dp_engine_port` ``(first, d, tp_size)`` = ``first + d * tp_size``.
 
 Which rank pairs exchange KV, and which heads, is decided here only, by
-:class:`TpPair` over :class:`~kvpush.transfer.heads.TpMapping`:
+:class:`TpPair` over :class:`~kvpush.transfer.shares.TpMapping`:
 :meth:`TpPair.targets_of` (the decode ranks a prefill rank writes to, each
-with its :class:`~kvpush.transfer.heads.HeadSlice`) and
+with its :class:`~kvpush.transfer.shares.HeadSlice`) and
 :meth:`TpPair.sources_of` (the prefill ranks a decode rank must hear a
 final word from). Equal TP sizes map rank ``r`` to rank ``r`` (whole
 blocks); different ones need the model's total KV heads, both sides' from
@@ -28,11 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvpush.transfer.heads import (
-    HeadSlice,
-    TpMapping,
-    head_split_problem,
-)
+from kvpush.transfer.heads import head_split_problem
+from kvpush.transfer.shares import HeadSlice, TpMapping
 
 MAX_TP_SIZE = 64  # the largest tensor-parallel size the wire accepts
 

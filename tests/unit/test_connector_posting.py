@@ -17,9 +17,9 @@ from kvpush.connector.prefill.transfer import (
     sweep,
 )
 from kvpush.transfer.groups import one
-from kvpush.transfer.heads import HeadShare, HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause, Registration
+from kvpush.transfer.shares import HeadShare, HeadSlice
 
 READY = ReadyKv("t1", one((1, 2)), 20, "d0")  # 2 blocks of 16 tokens
 WHOLE = HeadSlice(HeadShare(1, 0, 1), HeadShare(1, 0, 1), 0, 1)

@@ -20,9 +20,9 @@ import pytest
 
 from kvpush.connector.metadata import DecodeMetadata
 from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy
-from kvpush.transfer.heads import HeadShare
 from kvpush.transfer.messages import Cancel, Cause, Done, Failure, HelloReply, decode
 from kvpush.transfer.ranks import TpPair
+from kvpush.transfer.shares import HeadShare
 from tests.fakes.fake_nixl import FakeMemory, FakeNixlIO, wait_for
 from tests.unit.test_connector_tp_ranks import Aggregate, assert_all_idle
 from tests.unit.test_connector_worker import (

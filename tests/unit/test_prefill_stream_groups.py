@@ -8,9 +8,9 @@ from __future__ import annotations
 from kvpush.connector.prefill.fence import NO_FENCE
 from kvpush.connector.prefill.stream import Stream
 from kvpush.transfer.groups import of
-from kvpush.transfer.heads import HeadShare, HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Registration
+from kvpush.transfer.shares import HeadShare, HeadSlice
 
 WHOLE = HeadSlice(HeadShare(1, 0, 1), HeadShare(1, 0, 1), 0, 1)
 TOKENS = 64  # 4 blocks of 16

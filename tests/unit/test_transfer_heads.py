@@ -18,15 +18,13 @@ from hypothesis import strategies as st
 from kvpush.transfer.coalesce import Desc, desc_list, runs
 from kvpush.transfer.groups import of, one
 from kvpush.transfer.heads import (
-    HeadShare,
-    HeadSlice,
-    TpMapping,
     group_descriptors,
     head_split_problem,
     slice_descriptors,
     slice_problem,
 )
 from kvpush.transfer.layout import KvLayout
+from kvpush.transfer.shares import HeadShare, HeadSlice, TpMapping
 
 TP_SIZES = (1, 2, 4, 8)
 COMBOS = list(itertools.product(TP_SIZES, TP_SIZES, (1, 2, 4, 8)))

@@ -9,8 +9,9 @@ import pytest
 
 from kvpush.transfer.digest import destination_ranges, digest, source_ranges
 from kvpush.transfer.groups import NULL_BLOCK, of
-from kvpush.transfer.heads import HeadShare, HeadSlice, group_descriptors
+from kvpush.transfer.heads import group_descriptors
 from kvpush.transfer.layout import KvLayout, compat_problem
+from kvpush.transfer.shares import HeadShare, HeadSlice
 
 BLOCK_BYTES, STATE_BYTES, NUM_BLOCKS = 64, 20, 8
 GROUPS = ("state:mamba2:ab12cd34", "state:mamba2:ab12cd34", "full")

@@ -10,10 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpush.transfer import groups
-from kvpush.transfer.heads import HeadSlice, slice_problem
+from kvpush.transfer.heads import slice_problem
 from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout, compat_problem
 from kvpush.transfer.messages import Hello, Registration
 from kvpush.transfer.ranks import TpPair
+from kvpush.transfer.shares import HeadSlice
 
 PeerKey = tuple[str, int]  # (decode engine id, decode worker rank)
 

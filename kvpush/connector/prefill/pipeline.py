@@ -71,7 +71,6 @@ from kvpush.connector.prefill.writes import InFlight, Outcome, Writes
 from kvpush.connector.trace import Tracer
 from kvpush.transfer import groups
 from kvpush.transfer.digest import VERIFY_OFF, VerifyPolicy, digest, source_ranges
-from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.layout import REQUIRED_KV_CACHE_LAYOUT, KvLayout
 from kvpush.transfer.matcher import (
     Dropped,
@@ -94,6 +93,7 @@ from kvpush.transfer.messages import (
     SampleLogprobs,
 )
 from kvpush.transfer.ranks import TpPair
+from kvpush.transfer.shares import HeadSlice
 
 logger = logging.getLogger(__name__)
 

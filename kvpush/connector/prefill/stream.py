@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from kvpush.connector.prefill.fence import LayerFences, ReadyFence
 from kvpush.transfer import groups
 from kvpush.transfer.groups import GroupBlocks
-from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause
+from kvpush.transfer.shares import HeadSlice
 from kvpush.transfer.work import WorkItem
 
 

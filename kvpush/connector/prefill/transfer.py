@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 from kvpush.connector.prefill.fence import ReadyFence
 from kvpush.connector.prefill.stream import Stream, StreamWrite
-from kvpush.transfer.heads import HeadSlice
 from kvpush.transfer.matcher import Matched, ReadyKv
 from kvpush.transfer.messages import Cause
+from kvpush.transfer.shares import HeadSlice
 
 MAX_ORPHANS = 4096  # ended transfers whose later chunks are still to come
 

@@ -49,8 +49,9 @@ from kvpush.connector.nixl_io import NixlIO, WriteRefused, XferState
 from kvpush.connector.prefill.decode_peers import DecodePeer
 from kvpush.connector.trace import Tracer
 from kvpush.transfer.coalesce import Descs
-from kvpush.transfer.heads import HeadSlice, group_descriptors
+from kvpush.transfer.heads import group_descriptors
 from kvpush.transfer.messages import Done, encode
+from kvpush.transfer.shares import HeadSlice
 from kvpush.transfer.work import WorkItem
 
 logger = logging.getLogger(__name__)
