@@ -22,6 +22,7 @@ def open_agent(config: ConnectorConfig, kv_caches: dict[str, torch.Tensor]) -> N
         num_blocks,
         cache_dtype=config.cache_dtype,
         groups=config.kv_groups,
+        tp_size=config.tp_size,
     )
     return NixlIO(
         config.agent_name,

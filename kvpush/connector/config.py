@@ -87,6 +87,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from kvpush.connector.state_spec import state_page_of
 from kvpush.side_channel_auth import SECRET_ENV, check_side_channel_auth
 from kvpush.transfer import ranks
 from kvpush.transfer.digest import (
@@ -95,6 +96,7 @@ from kvpush.transfer.digest import (
     VerifyPolicy,
     check_verify_kv,
 )
+from kvpush.transfer.state_pages import StatePage
 
 ConnectorRole = Literal["prefill", "decode", "both"]
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
@@ -110,13 +112,17 @@ PER_LAYER_GRANULARITIES: tuple[str, ...] = ("auto", "layer")  # may push per lay
 @dataclass(frozen=True)
 class KvGroup:
     """One of vLLM's KV-cache groups as kvpush maps it: ``kind`` (see
-    :func:`kv_group_kind`), its layers' names in vLLM's order, and for a
+    :func:`kv_group_kind`), its layers' names in vLLM's order, for a
     windowed group the tokens it keeps for the next one (``window``:
-    vLLM's ``sliding_window`` + ``extra_retained_tokens``; 0: all)."""
+    vLLM's ``sliding_window`` + ``extra_retained_tokens``; 0: all), and
+    for a state group what its page holds (``page``,
+    :func:`~kvpush.connector.state_spec.state_page_of`; None: copied whole
+    between equal TP sizes only)."""
 
     kind: str
     layers: tuple[str, ...] = ()
     window: int = 0
+    page: StatePage | None = None
 
     @property
     def is_state(self) -> bool:
@@ -180,19 +186,29 @@ def kv_group_kind(spec: Any) -> str:
     return type(spec).__name__
 
 
-def kv_groups_of(kv_cache_config: Any) -> tuple[KvGroup, ...]:
+def kv_groups_of(
+    kv_cache_config: Any, model_config: Any = None, tp_size: int = 1
+) -> tuple[KvGroup, ...]:
     """The groups of vLLM's ``kv_cache_config`` (one full group when it
-    names none: tests and tools that pass no config)."""
+    names none: tests and tools that pass no config), state pages described
+    from ``model_config`` at TP ``tp_size``."""
     found = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     groups = tuple(
         KvGroup(
             kv_group_kind(g.kv_cache_spec),
             tuple(g.layer_names),
             _window(g.kv_cache_spec),
+            _state_page(g.kv_cache_spec, model_config, tp_size),
         )
         for g in found
     )
     return groups or ONE_FULL_GROUP
+
+
+def _state_page(spec: Any, model_config: Any, tp_size: int) -> StatePage | None:
+    if not kv_group_kind(spec).startswith("state:"):
+        return None
+    return state_page_of(spec, model_config, tp_size)
 
 
 def _window(spec: Any) -> int:
@@ -419,7 +435,11 @@ class ConnectorConfig:
                 verify_kv_sample=_fraction(extra),
                 control_dir=_control_dir(extra),
                 of_both=False,  # sides() makes those
-                kv_groups=kv_groups_of(kv_cache_config),
+                kv_groups=kv_groups_of(
+                    kv_cache_config,
+                    getattr(vllm_config, "model_config", None),
+                    int(vllm_config.parallel_config.tensor_parallel_size),
+                ),
                 continues_from_t1=_continues_from_t1(vllm_config),
                 **durations,
             )

@@ -61,6 +61,7 @@ def layout_of(
     *,
     cache_dtype: str = "auto",
     groups: Sequence[KvGroup] = ONE_FULL_GROUP,
+    tp_size: int = 1,
 ) -> KvLayout:
     """The memory map of ``kv_caches`` (layer name -> cache tensor), whose
     blocks hold ``block_size`` tokens and number ``num_blocks``
@@ -71,7 +72,9 @@ def layout_of(
     blocks, identical in every layer. ``groups`` are vLLM's KV-cache
     groups: with more than one, each group's layer ``k`` must be layer
     slot ``k`` (the groups alias one allocation), else ``ValueError``
-    naming the layer."""
+    naming the layer. A state group's described page
+    (``KvGroup.page``) must hold, at TP ``tp_size``, the bytes its views
+    hold, else ``ValueError``."""
     if not kv_caches:
         raise ValueError("vLLM registered no KV-cache tensors; nothing to map")
     has_state = any(g.is_state for g in groups)
@@ -104,6 +107,11 @@ def layout_of(
                 name, all_caches.get(name), base_addrs, k, block_bytes
             )
             copy_bytes[g] = max(copy_bytes[g], content)
+            if group.page is not None and group.page.content_bytes(tp_size) != content:
+                raise ValueError(
+                    f"state layer {name} holds {content} bytes, its described "
+                    f"page {group.page.content_bytes(tp_size)} at TP {tp_size}"
+                )
     return KvLayout(
         num_blocks=num_blocks,
         block_bytes=block_bytes,
@@ -114,6 +122,7 @@ def layout_of(
         kv_dtype=_dtype_name(first.dtype, cache_dtype),
         kv_groups=tuple(g.kind for g in groups),
         group_copy_bytes=tuple(copy_bytes) if has_state else (),
+        group_states=tuple(g.page for g in groups) if has_state else (),
     )
 
 

@@ -41,7 +41,7 @@ import numpy.typing as npt
 
 from kvpush.transfer import groups
 from kvpush.transfer.groups import GroupBlocks
-from kvpush.transfer.heads import group_descriptors
+from kvpush.transfer.heads import group_descriptors, state_pieces
 from kvpush.transfer.layout import KvLayout
 from kvpush.transfer.shares import HeadSlice
 
@@ -122,7 +122,7 @@ def destination_ranges(
     """Decode's side: where ``head_slice`` lands in every group's
     ``dst_block_ids`` of every layer, in address order (one range per block
     per region; null blocks are not written, :func:`groups.aligned`; a
-    group copied in part, its first ``KvLayout.copy_bytes`` of a block)."""
+    state group, :func:`~kvpush.transfer.heads.state_pieces` of a block)."""
     head_bytes = dst.block_bytes // head_slice.dst.num_heads
     offset = np.uint64(head_slice.dst_heads.start * head_bytes)
     bases = np.asarray(dst.base_addrs, dtype=np.uint64)
@@ -130,10 +130,16 @@ def destination_ranges(
     for g, table in enumerate(dst_block_ids):
         ids = np.asarray(groups.real((table,)), dtype=np.uint64)
         starts = (bases[:, None] + ids[None, :] * np.uint64(dst.block_bytes)).ravel()
-        part = np.empty((starts.size, 2), dtype=np.uint64)
-        copy = dst.copy_bytes(g)
-        part[:, 0] = starts + (offset if copy is None else np.uint64(0))
-        part[:, 1] = head_slice.num_heads * head_bytes if copy is None else copy
+        if dst.copy_bytes(g) is None:
+            part = np.empty((starts.size, 2), dtype=np.uint64)
+            part[:, 0] = starts + offset
+            part[:, 1] = head_slice.num_heads * head_bytes
+        else:
+            pieces = state_pieces(dst, g, head_slice).astype(np.uint64)
+            part = np.empty((starts.size, len(pieces), 2), dtype=np.uint64)
+            part[:, :, 0] = starts[:, None] + pieces[None, :, 1]
+            part[:, :, 1] = pieces[None, :, 2]
+            part = part.reshape(-1, 2)
         parts.append(part)
     out = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.uint64)
     return np.ascontiguousarray(out[np.argsort(out[:, 0], kind="stable")])

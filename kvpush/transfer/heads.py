@@ -25,8 +25,9 @@ import numpy.typing as npt
 
 from kvpush.transfer.coalesce import Descs, Run, Runs, descriptors, runs
 from kvpush.transfer.groups import GroupBlocks
-from kvpush.transfer.layout import KvLayout
+from kvpush.transfer.layout import KvLayout, groups_problem
 from kvpush.transfer.shares import HeadSlice, TpMapping
+from kvpush.transfer.state_pages import Pieces
 
 HEAD_SEPARABLE_LAYOUTS = frozenset({"LBHNC"})
 """Interior orders in which a block's heads are outermost (one range each)."""
@@ -71,7 +72,7 @@ def slice_problem(src: KvLayout, dst: KvLayout, head_slice: HeadSlice) -> str | 
             f" ({src_heads} heads), destination {dst.block_bytes // dst_heads} "
             f"({dst_heads} heads)"
         )
-    return None
+    return groups_problem(src, dst)
 
 
 def slice_descriptors(
@@ -94,10 +95,7 @@ def slice_descriptors(
         raise ValueError(problem)
     if head_slice.is_whole_block:
         return descriptors(block_runs, src, dst, layers)
-    if layers.step != 1 or layers.start < 0 or layers.stop > src.num_layers:
-        raise ValueError(
-            f"layers {layers} must be a step-1 range within 0..{src.num_layers}"
-        )
+    _check_layers(layers, src)
     src_ids, dst_ids = _blocks(np.asarray(block_runs, dtype=np.int64), src, dst)
     head_bytes = src.block_bytes // head_slice.src.num_heads
     num_regions = len(layers) * src.regions_per_layer
@@ -120,20 +118,19 @@ def group_descriptors(
     """:func:`slice_descriptors` for each KV-cache group's pairs
     (:mod:`kvpush.transfer.groups`), in group order, as one WRITE's two
     arrays, and how many block runs they hold. One group gives exactly
-    :func:`slice_descriptors`'s arrays. A group whose copy is the first
-    bytes of a block (``KvLayout.copy_bytes``: a state page) is one row of
-    that many bytes per block per region, whole heads only."""
+    :func:`slice_descriptors`'s arrays. A state group (``KvLayout.copy_bytes``
+    set) copies :func:`state_pieces` of each block in each region."""
     srcs, dsts, num_runs = [], [], 0
     for g, (s, d) in enumerate(zip(src_groups, dst_groups, strict=True)):
         if not s:
             continue
-        block_runs = runs(s, d)
         if src.copy_bytes(g) is None:
+            block_runs = runs(s, d)
             src_d, dst_d = slice_descriptors(block_runs, src, dst, layers, head_slice)
             num_runs += len(block_runs)
         else:  # each block a run of its own
-            src_d, dst_d = _page_starts(s, d, src, dst, layers, head_slice, g)
-            num_runs += len(s)
+            src_d, dst_d = _state_descriptors(s, d, src, dst, layers, head_slice, g)
+            num_runs += len(s) if len(src_d) else 0
         srcs.append(src_d)
         dsts.append(dst_d)
     if len(srcs) == 1:
@@ -145,7 +142,26 @@ def group_descriptors(
     return src_all, np.ascontiguousarray(np.concatenate(dsts)), num_runs
 
 
-def _page_starts(
+def state_pieces(layout: KvLayout, group: int, head_slice: HeadSlice) -> Pieces:
+    """What ``head_slice``'s pair copies of each of state group ``group``'s
+    pages: its described page's pieces
+    (:meth:`~kvpush.transfer.state_pages.StatePage.pieces`), or, where the
+    page is not described, its first ``KvLayout.copy_bytes`` bytes whole,
+    between ranks of the same heads only (``ValueError`` otherwise)."""
+    page = layout.state_page(group)
+    src, dst = head_slice.src, head_slice.dst
+    if page is not None:
+        return page.pieces(src.tp_size, src.tp_rank, dst.tp_size, dst.tp_rank)
+    copy = layout.copy_bytes(group)
+    if copy is None or not head_slice.is_whole_block or src.tp_size != dst.tp_size:
+        raise ValueError(
+            f"group {group}'s pages are not described, so they copy whole "
+            f"between equal TP sizes only; not {head_slice}"
+        )
+    return np.asarray([[0, 0, copy]], dtype=np.int64)
+
+
+def _state_descriptors(
     src_ids: Sequence[int],
     dst_ids: Sequence[int],
     src: KvLayout,
@@ -154,22 +170,34 @@ def _page_starts(
     head_slice: HeadSlice,
     group: int,
 ) -> tuple[Descs, Descs]:
-    """The first ``KvLayout.copy_bytes(group)`` bytes of each block pair in
-    each region of ``layers``: group ``group`` holds less than a block (a
-    state page), copied whole between ranks of equal TP (``ValueError`` for
-    another head slice or page)."""
-    copy = src.copy_bytes(group)
-    if copy is None or dst.copy_bytes(group) != copy or not head_slice.is_whole_block:
-        raise ValueError(
-            f"group {group}'s pages, copied in part, go whole to a rank of the "
-            f"same heads and page bytes ({copy} and {dst.copy_bytes(group)}); "
-            f"not {head_slice}"
+    """:func:`state_pieces` of each block pair in each region of ``layers``
+    (none where the pair carries none of the state)."""
+    _check_layers(layers, src)
+    pieces = state_pieces(src, group, head_slice)
+    if dst.state_page(group) != src.state_page(group):
+        raise ValueError(f"group {group}'s state pages differ between the sides")
+    table = np.ones((len(src_ids), 3), dtype=np.int64)
+    table[:, 0], table[:, 1] = src_ids, dst_ids
+    src_ids_a, dst_ids_a = _blocks(table, src, dst)
+    out = []
+    for ids, layout, column in ((src_ids_a, src, 0), (dst_ids_a, dst, 1)):
+        starts = np.empty(
+            (len(layers) * layout.regions_per_layer, ids.size, 3), np.uint64
         )
-    singles = np.ones((len(src_ids), 3), dtype=np.int64)
-    singles[:, 0], singles[:, 1] = src_ids, dst_ids
-    src_d, dst_d = descriptors(singles, src, dst, layers)
-    src_d[:, 1] = dst_d[:, 1] = copy
-    return src_d, dst_d
+        _fill(starts, layout, layers, ids, 0)  # page starts, region then block
+        rows = np.repeat(starts.reshape(-1, 3), len(pieces), axis=0)
+        count = len(rows) // len(pieces) if len(pieces) else 0
+        rows[:, 0] += np.tile(pieces[:, column].astype(np.uint64), count)
+        rows[:, 1] = np.tile(pieces[:, 2].astype(np.uint64), count)
+        out.append(rows)
+    return out[0], out[1]
+
+
+def _check_layers(layers: range, layout: KvLayout) -> None:
+    if layers.step != 1 or layers.start < 0 or layers.stop > layout.num_layers:
+        raise ValueError(
+            f"layers {layers} must be a step-1 range within 0..{layout.num_layers}"
+        )
 
 
 def _blocks(

@@ -23,7 +23,11 @@ holds ``b`` for its request. ``kv_groups`` names each group's kind; two
 instances copy block for block only when they group alike. A group whose
 blocks hold less than a block's bytes (a Mamba state, padded to the
 attention page) copies only its first ``group_copy_bytes[g]`` bytes of
-each region's block (0, or no entries: the whole block).
+each region's block (0, or no entries: the whole block); where
+``group_states[g]`` describes that page
+(:class:`~kvpush.transfer.state_pages.StatePage`, the same at every TP
+size), two instances of different TP sizes copy its pieces
+(:meth:`~kvpush.transfer.state_pages.StatePage.pieces`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+
+from kvpush.transfer.state_pages import StatePage
 
 # The one interior order kvpush maps (kvpush.connector.kv_memory): each
 # block of a region is [heads][tokens][K|V], vLLM's "HND".
@@ -66,6 +72,10 @@ class KvLayout(msgspec.Struct, frozen=True):
     # bytes a copy of each group's block takes from the start of each
     # region's block (0: all of it; empty: every group all of it)
     group_copy_bytes: Annotated[tuple[NonNegInt, ...], msgspec.Meta(max_length=64)] = ()
+    # each group's state page, where it has one kvpush describes (empty: none)
+    group_states: Annotated[
+        tuple[StatePage | None, ...], msgspec.Meta(max_length=64)
+    ] = ()
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_bytes < 1 or self.block_size < 1:
@@ -88,6 +98,11 @@ class KvLayout(msgspec.Struct, frozen=True):
             raise ValueError(
                 f"group_copy_bytes {copies} must name each of the "
                 f"{len(self.kv_groups)} groups at most block_bytes={self.block_bytes}"
+            )
+        if self.group_states and len(self.group_states) != len(self.kv_groups):
+            raise ValueError(
+                f"group_states names {len(self.group_states)} groups, not "
+                f"{len(self.kv_groups)}"
             )
         span = self.num_blocks * self.block_bytes
         for addr in self.base_addrs:
@@ -135,6 +150,10 @@ class KvLayout(msgspec.Struct, frozen=True):
         copies = self.group_copy_bytes
         return (copies[group] or None) if copies else None
 
+    def state_page(self, group: int) -> StatePage | None:
+        """Group ``group``'s state page, where kvpush describes it."""
+        return self.group_states[group] if self.group_states else None
+
     def block_addr(self, region: int, block_id: int) -> int:
         """Address of block ``block_id`` in region ``region``."""
         if not 0 <= block_id < self.num_blocks:
@@ -147,14 +166,7 @@ def compat_problem(local: KvLayout, remote: KvLayout) -> str | None:
     or ``None`` when they can. ``num_blocks`` and addresses may differ; the
     shape of one block and the number of layers and regions may not.
     Called by the prefill side when a decode's :class:`Hello` arrives."""
-    for field in (
-        "block_bytes",
-        "block_size",
-        "regions_per_layer",
-        "kv_dtype",
-        "kv_groups",
-        "group_copy_bytes",
-    ):
+    for field in ("block_bytes", "block_size", "regions_per_layer", "kv_dtype"):
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
             return f"{field} differs: local {mine!r}, remote {theirs!r}"
@@ -162,4 +174,32 @@ def compat_problem(local: KvLayout, remote: KvLayout) -> str | None:
         return (
             f"num_layers differs: local {local.num_layers}, remote {remote.num_layers}"
         )
+    return groups_problem(local, remote)
+
+
+def groups_problem(local: KvLayout, remote: KvLayout) -> str | None:
+    """Why the two instances' KV-cache groups differ in meaning, or None:
+    the same kinds in the same order, and each state group either the same
+    described page (its bytes per rank follow from the TP size) or, not
+    described, the same kind and copied bytes."""
+    if len(local.kv_groups) != len(remote.kv_groups):
+        return (
+            f"kv_groups differs: local {local.kv_groups!r}, remote {remote.kv_groups!r}"
+        )
+    for g, (mine, theirs) in enumerate(
+        zip(local.kv_groups, remote.kv_groups, strict=True)
+    ):
+        page = local.state_page(g)
+        if page is not None or remote.state_page(g) is not None:
+            if page != remote.state_page(g):
+                return (
+                    f"group {g}'s state page differs: local {page!r}, remote "
+                    f"{remote.state_page(g)!r}"
+                )
+        elif mine != theirs or local.copy_bytes(g) != remote.copy_bytes(g):
+            return (
+                f"group {g} differs: local {mine!r} copying "
+                f"{local.copy_bytes(g)} bytes, remote {theirs!r} copying "
+                f"{remote.copy_bytes(g)}"
+            )
     return None

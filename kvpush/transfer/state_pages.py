@@ -62,11 +62,12 @@ class StatePage(msgspec.Struct, frozen=True):
     """What a state group's page holds, the same description at every TP
     size (a wire type: in :class:`~kvpush.transfer.layout.KvLayout`).
 
-    ``kind`` names the state (vLLM's Mamba type) and ``dtypes`` its
-    element types; both only for the compatibility check (equal
-    descriptions, equal meaning)."""
+    ``kind`` names the state (vLLM's Mamba type), ``cache_mode`` vLLM's
+    ``mamba_cache_mode`` and ``dtypes`` the states' element types: only
+    for the compatibility check (equal descriptions, equal meaning)."""
 
     kind: _NAME
+    cache_mode: _NAME
     conv_layout: ConvLayout
     conv_rows: PosInt
     conv_item_bytes: PosInt

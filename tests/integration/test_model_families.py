@@ -539,12 +539,12 @@ class TestKvPushGdn(TestKvPushHybrid):
     batch_invariant = False
 
 
-@pytest.mark.long
 class TestKvPushHybridDecodeTp2:
-    """Mamba2 + attention with decode at TP 2: the state pages are split by
-    TP apart from the KV heads, so decode refuses a TP 1 prefill's state
-    (``rejected.state_rewind``) and computes each request itself, which
-    must equal prefill alone all the same."""
+    """Mamba2 + attention, prefill TP 1 and decode TP 2: each decode rank
+    takes its share of the state pages (its heads of x and of the
+    recurrent state, the one group whole) and of the KV heads from prefill
+    rank 0, and continues from prefill's first token; every shape equals
+    prefill alone."""
 
     mode = "kvpush"
     preset = "hybrid"
@@ -560,11 +560,16 @@ class TestKvPushHybridDecodeTp2:
         got = workload.send(pd_cluster.url, path, body)
         assert workload.mismatch(want, got) is None, workload.mismatch(want, got)
 
-    def test_no_state_was_loaded_from_another_tp(self, pd_cluster: Cluster) -> None:
+    def test_states_were_split_over_the_decode_ranks_and_continued(
+        self, pd_cluster: Cluster
+    ) -> None:
         faults.nudge(pd_cluster, "decode0")
         events = faults.counters(pd_cluster)["decode0"]
-        assert events["rejected.state_rewind"] >= len(workload.SHAPES), events
-        assert events.get("digest_verified", 0) == 0, events
+        assert events["first_token.continued"] >= len(workload.SHAPES), events
+        assert events.get("rejected.state_rewind", 0) == 0, events
+        assert events["digest_verified"] >= 2 * len(workload.SHAPES), events
+        assert events["digest_mismatch"] == 0, events
+        assert events["first_token.recomputed.state_rewound"] == 0, events
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         pd_cluster.stop()

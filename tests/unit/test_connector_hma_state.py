@@ -23,6 +23,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
 import kvpush.connector.connector as connector_module
+from kvpush.connector import state_spec
 from kvpush.connector.decode.first_token import (
     STATE_FIRST_TOKEN_WAIT_S,
     KvPushScheduler,
@@ -228,10 +229,14 @@ def test_a_loaded_state_whose_first_token_never_came_is_computed_whole(
     assert not counters.get("first_token.recomputed.state_rewound")
 
 
-def test_a_state_from_another_tp_size_is_not_loaded(
+def test_a_state_kvpush_cannot_split_is_not_loaded_from_another_tp_size(
     model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The model's config names no Mamba2 group count: the page is not
+    described (connector/state_spec.py), so it copies between equal TP
+    sizes only; decode computes the request itself."""
     scheduler, sent = _decode(model_dir, monkeypatch, KvPushScheduler)
+    assert scheduler.connector._decode.config.kv_groups[0].page is None
     leg = dict(LEG, prefill_tp=2)
     scheduler.add_request(hma._request(leg))
 
@@ -239,3 +244,23 @@ def test_a_state_from_another_tp_size_is_not_loaded(
 
     assert not any(isinstance(m, Registration) for m in sent)
     assert scheduler.connector._decode.counters.get("rejected.state_rewind") == 1
+
+
+def test_a_described_state_is_loaded_from_another_tp_size(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the group count known (2 groups of 8, 2 heads of 16: the
+    spec's shapes) the page splits over prefill TP 2: decode registers."""
+    monkeypatch.setattr(state_spec, "_n_groups", lambda model_config: 2)
+    scheduler, sent = _decode(model_dir, monkeypatch, KvPushScheduler)
+    page = scheduler.connector._decode.config.kv_groups[0].page
+    assert page is not None and page.problem(2) is None
+    leg = dict(LEG, prefill_tp=2)
+    scheduler.add_request(hma._request(leg))
+
+    scheduler.schedule()
+
+    registrations = [m for m in sent if isinstance(m, Registration)]
+    assert len(registrations) == 2, "one to each prefill rank"
+    assert all(r.dst_block_ids[0][-1] != NULL for r in registrations)
+    assert not scheduler.connector._decode.counters.get("rejected.state_rewind")

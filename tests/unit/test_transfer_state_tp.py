@@ -5,9 +5,15 @@ page to equal its own shard, every byte written exactly once."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
+from kvpush.transfer.digest import destination_ranges, digest, source_ranges
+from kvpush.transfer.heads import group_descriptors, slice_problem
+from kvpush.transfer.layout import KvLayout
+from kvpush.transfer.ranks import TpPair
 from kvpush.transfer.shares import HeadShare, TpMapping
 from kvpush.transfer.state_pages import (
     ConvLayout,
@@ -23,6 +29,7 @@ def mamba2(layout: ConvLayout, groups: int = 1) -> StatePage:
     """Nemotron-H-like: 16 heads of 32, ``groups`` groups of 16, 3 rows."""
     return StatePage(
         kind="mamba2",
+        cache_mode="none",
         conv_layout=layout,
         conv_rows=3,
         conv_item_bytes=ITEM,
@@ -35,6 +42,7 @@ def gdn(layout: ConvLayout) -> StatePage:
     """Qwen3-Next-like: Q, K of 2 heads of 64, V of 4 heads of 64."""
     return StatePage(
         kind="gdn_attn",
+        cache_mode="none",
         conv_layout=layout,
         conv_rows=3,
         conv_item_bytes=ITEM,
@@ -162,3 +170,86 @@ def test_round_trips_the_wire() -> None:
             msgspec.msgpack.encode({**msgspec.structs.asdict(page), "conv_parts": []}),
             type=StatePage,
         )
+
+
+# --- WRITE descriptors and digests over real memory, prefill TP 1 -> decode TP 2
+
+
+SLOTS, BLOCKS = 2, 4
+KINDS = ("state:mamba2:x", "full")
+
+
+class Instance:
+    """One rank's cache in numpy memory: ``SLOTS`` layer slots of ``BLOCKS``
+    blocks, a state group and a full-attention group sharing them."""
+
+    def __init__(self, page: StatePage, tp: int, rank: int, block_bytes: int):
+        self.memory = np.zeros(SLOTS * BLOCKS * block_bytes, dtype=np.uint8)
+        base = self.memory.ctypes.data
+        self.layout = KvLayout(
+            num_blocks=BLOCKS, block_bytes=block_bytes, block_size=16,
+            base_addrs=tuple(base + s * BLOCKS * block_bytes for s in range(SLOTS)),
+            kv_groups=KINDS, group_copy_bytes=(page.content_bytes(tp), 0),
+            group_states=(page, None),
+        )  # fmt: skip
+        self.block_bytes = block_bytes
+
+    def block(self, slot: int, block_id: int) -> np.ndarray:
+        start = (slot * BLOCKS + block_id) * self.block_bytes
+        return self.memory[start : start + self.block_bytes]
+
+
+def read(addr: int, length: int) -> bytes:
+    return ctypes.string_at(addr, length)
+
+
+def test_a_tp1_page_lands_split_on_two_decode_ranks_digests_equal() -> None:
+    page = mamba2(ConvLayout.SD)
+    head_bytes = 20480  # one attention head of a block; pages fit in it
+    prefill = Instance(page, 1, 0, 2 * head_bytes)
+    decodes = [Instance(page, 2, d, head_bytes) for d in range(2)]
+    src_ids, dst_ids = ((3,), (0, 1)), ((2,), (1, 3))  # state block, full blocks
+    for slot in range(SLOTS):
+        prefill.block(slot, 3)[: page.content_bytes(1)] = shard(page, 1, 0)
+        for b in (0, 1):
+            prefill.block(slot, b)[:] = np.random.default_rng(slot * 8 + b).integers(
+                0, 256, 2 * head_bytes, dtype=np.uint8
+            )
+    pair = TpPair(1, 2, 2)
+    for d, decode in enumerate(decodes):
+        (head_slice,) = [s for s in pair.targets_of(0) if s.dst_rank == d]
+        src_d, dst_d, _ = group_descriptors(
+            src_ids, dst_ids, prefill.layout, decode.layout, range(SLOTS), head_slice
+        )
+        for (src, n, _), (dst, m, _) in zip(
+            src_d.tolist(), dst_d.tolist(), strict=True
+        ):
+            assert n == m
+            ctypes.memmove(dst, src, n)
+        want_state = shard(page, 2, d)
+        for slot in range(SLOTS):
+            got = decode.block(slot, 2)
+            assert (got[: want_state.size] == want_state).all()
+            assert not got[want_state.size :].any(), "padding was written"
+            for src_b, dst_b in ((0, 1), (1, 3)):
+                head = prefill.block(slot, src_b)[d * head_bytes : (d + 1) * head_bytes]
+                assert (decode.block(slot, dst_b) == head).all()
+        sent = source_ranges(
+            src_ids, dst_ids, prefill.layout, decode.layout, head_slice
+        )
+        landed = destination_ranges(dst_ids, decode.layout, head_slice)
+        assert digest(sent, read) == digest(landed, read)
+        decode.block(1, 2)[want_state.size] ^= 0xFF  # padding: not hashed
+        assert digest(landed, read) == digest(sent, read)
+        decode.block(1, 2)[want_state.size - 1] ^= 0xFF  # the state's last byte
+        assert digest(landed, read) != digest(sent, read)
+
+
+def test_layouts_of_different_tp_compare_their_state_pages() -> None:
+    page = mamba2(ConvLayout.SD)
+    one, two = Instance(page, 1, 0, 40960), Instance(page, 2, 0, 20480)
+    head_slice = TpPair(1, 2, 2).targets_of(0)[0]
+    assert slice_problem(one.layout, two.layout, head_slice) is None
+    other = Instance(mamba2(ConvLayout.DS), 2, 0, 20480)
+    problem = slice_problem(one.layout, other.layout, head_slice)
+    assert problem is not None and "state page differs" in problem

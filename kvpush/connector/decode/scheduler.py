@@ -84,6 +84,7 @@ from kvpush.transfer.messages import (
     Registration,
 )
 from kvpush.transfer.ranks import TpPair, side_channel_port
+from kvpush.transfer.state_pages import state_writers_problem
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +168,9 @@ class DecodeScheduler:
         if not self.config.has_state:
             return None
         if leg.prefill_tp != self.config.tp_size:
-            return (
-                f"a state model's leg from prefill TP {leg.prefill_tp} to decode "
-                f"TP {self.config.tp_size}: state pages are split by TP as a "
-                "whole, kvpush copies them between equal TP sizes only"
-            )
+            problem = self._state_tp_problem(leg.prefill_tp)
+            if problem is not None:
+                return problem
         if pushed_tokens(request, leg) < request.num_prompt_tokens:
             return None  # bound late: nothing is computed again
         if not self.config.continues_from_t1:
@@ -185,6 +184,28 @@ class DecodeScheduler:
                 f"a state model's leg that cannot continue from prefill's "
                 f"first token ({reason.value})"
             )
+        return None
+
+    def _state_tp_problem(self, prefill_tp: int) -> str | None:
+        """Why this decode's state pages cannot come from prefill ranks of
+        TP ``prefill_tp`` (:func:`state_writers_problem`; a page kvpush does
+        not describe copies whole, between equal TP sizes only), or None."""
+        c = self.config
+        pair = TpPair(prefill_tp, c.tp_size, c.total_kv_heads)
+        writers = [pair.sources_of(d) for d in range(c.tp_size)]
+        for group in c.kv_groups:
+            if not group.is_state:
+                continue
+            if group.page is None:
+                return (
+                    f"a state model's leg from prefill TP {prefill_tp} to decode "
+                    f"TP {c.tp_size}: its {group.kind} pages are not ones kvpush "
+                    "splits by TP (connector/state_spec.py), so they copy "
+                    "between equal TP sizes only"
+                )
+            problem = state_writers_problem(group.page, prefill_tp, c.tp_size, writers)
+            if problem is not None:
+                return f"a state model's leg: {problem}"
         return None
 
     def _tp_problem(self, leg: DecodeLeg) -> str | None:
