@@ -573,3 +573,16 @@ class TestKvPushHybridDecodeTp2:
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         pd_cluster.stop()
+
+
+@pytest.mark.long
+class TestKvPushHybridPrefillTp2(TestKvPushHybridDecodeTp2):
+    """The other way: prefill TP 2, decode TP 1. Decode's one rank takes
+    each prefill rank's half of the heads of x, of the recurrent state and
+    of the KV heads, and the one group (held by both prefill ranks) from
+    prefill rank 0."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushHybrid.cluster_options,
+        "prefill_tp": 2,
+    }
