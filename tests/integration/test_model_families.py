@@ -586,3 +586,37 @@ class TestKvPushHybridPrefillTp2(TestKvPushHybridDecodeTp2):
         **TestKvPushHybrid.cluster_options,
         "prefill_tp": 2,
     }
+
+
+@pytest.mark.long
+class TestKvPushGdnDecodeTp2:
+    """Gated delta net at decode TP 2: the split states are loaded,
+    verified and continued. No exact reference exists in bfloat16: vLLM's
+    own TP 1 and TP 2 instances answer every shape differently (logprobs by
+    0.17-0.24, text in 4 of 8), and P/D equals decode's TP 2 instance
+    computing alone in 4 of 8 shapes (2026-12-05, ``docs/model-families.md``),
+    so each shape is checked answered."""
+
+    mode = "kvpush"
+    preset = "gdn"
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushGdn.cluster_options,
+        "decode_tp": 2,
+    }
+
+    @pytest.mark.parametrize("name", sorted(workload.SHAPES))
+    def test_every_shape_is_answered(self, pd_cluster: Cluster, name: str) -> None:
+        path, body = workload.SHAPES[name]
+        reply = workload.send(pd_cluster.url, path, body)
+        assert reply.status == 200, reply.body
+
+    def test_states_were_split_over_the_decode_ranks_and_continued(
+        self, pd_cluster: Cluster
+    ) -> None:
+        TestKvPushHybridDecodeTp2.test_states_were_split_over_the_decode_ranks_and_continued(
+            self,  # type: ignore[arg-type]
+            pd_cluster,
+        )
+
+    def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
+        pd_cluster.stop()
