@@ -14,6 +14,8 @@ dtypes, the conv layout vLLM resolved) and the model's config:
   Q and K the rank's key heads x ``head_k_dim``, V its value heads x
   ``head_v_dim``; recurrent ``(value heads, head_v_dim, head_k_dim)``. All
   read from the shapes.
+* short convolution (LFM2, ``short_conv_state_shape``): a conv state
+  alone, the rank's share of ``conv_dim`` channels.
 
 Anything else (another state kind, more than two states, shapes that do
 not add up) is described as None: its pages copy whole, between equal TP
@@ -37,24 +39,32 @@ def state_page_of(spec: Any, model_config: Any, tp_size: int) -> StatePage | Non
     from vllm.utils.torch_utils import get_dtype_size
 
     shapes, dtypes = tuple(spec.shapes), tuple(spec.dtypes)
-    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+    kind = spec.mamba_type.name.lower()
+    if not shapes or len(shapes[0]) != 2:
         return None
     layout = ConvLayout.DS if is_conv_state_dim_first() else ConvLayout.SD
     dim, rows = shapes[0] if layout is ConvLayout.DS else reversed(shapes[0])
-    heads, a, b = shapes[1]
-    kind = spec.mamba_type.name.lower()
-    conv_item, state_item = get_dtype_size(dtypes[0]), get_dtype_size(dtypes[1])
-    parts = _conv_parts(kind, dim, heads, a, b, tp_size, model_config)
-    if parts is None:
+    parts: tuple[StatePart, ...]
+    recurrent: StatePart | None
+    if kind == "short_conv" and len(shapes) == 1:
+        parts, recurrent = (StatePart(dim * tp_size, 1),), None
+    elif len(shapes) == 2 and len(shapes[1]) == 3:
+        heads, a, b = shapes[1]
+        found = _conv_parts(kind, dim, heads, a, b, tp_size, model_config)
+        if found is None:
+            return None
+        parts = found
+        recurrent = StatePart(heads * tp_size, a * b * get_dtype_size(dtypes[1]))
+    else:
         return None
     page = StatePage(
         kind=kind,
         cache_mode=str(spec.mamba_cache_mode),
         conv_layout=layout,
         conv_rows=rows,
-        conv_item_bytes=conv_item,
+        conv_item_bytes=get_dtype_size(dtypes[0]),
         conv_parts=parts,
-        recurrent=StatePart(heads * tp_size, a * b * state_item),
+        recurrent=recurrent,
         dtypes=tuple(str(d).removeprefix("torch.") for d in dtypes),
     )
     if page.problem(tp_size) or page.conv_dim(tp_size) != dim:

@@ -347,7 +347,7 @@ _MAMBA_REASON = (
 
 # Per-request states kvpush copies (vLLM's MambaAttentionBackendEnum names):
 # each run on a cluster here (docs/model-families.md).
-MAPPED_STATES: tuple[str, ...] = ("MAMBA2", "GDN_ATTN")
+MAPPED_STATES: tuple[str, ...] = ("MAMBA2", "GDN_ATTN", "SHORT_CONV")
 
 
 def _state_problem(spec: Any) -> str | None:
@@ -356,9 +356,11 @@ def _state_problem(spec: Any) -> str | None:
     name = f"MambaSpec layers: {spec.mamba_type.name} state, "
     if spec.mamba_type.name not in MAPPED_STATES:
         return name + (
-            "only Mamba2 (Nemotron-H, Granite 4, Zamba 2) and gated-delta-net "
-            "(Qwen3-Next, Qwen3.5) states are mapped by kvpush; linear, "
-            "short-conv and Mamba1 states are not, serve a model without them"
+            "only Mamba2 (Nemotron-H, Granite 4, Zamba 2), gated-delta-net "
+            "(Qwen3-Next, Qwen3.5) and short-conv (LFM2) states are mapped by "
+            "kvpush; linear-attention and Mamba1 states are not (vLLM's CPU "
+            "build runs neither, so kvpush could not test them), serve a "
+            "model without them"
         )
     if spec.mamba_cache_mode != "none":
         return name + (

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-FAMILIES: tuple[str, ...] = ("dense", "mla", "swa", "hybrid", "moe", "gdn")
+FAMILIES: tuple[str, ...] = ("dense", "mla", "swa", "hybrid", "moe", "gdn", "shortconv")
 ARCHITECTURES: dict[str, str] = {
     "dense": "Qwen3ForCausalLM",
     "mla": "DeepseekV2ForCausalLM",
@@ -44,6 +44,7 @@ ARCHITECTURES: dict[str, str] = {
     "hybrid": "NemotronHForCausalLM",
     "moe": "Qwen3MoeForCausalLM",
     "gdn": "Qwen3NextForCausalLM",
+    "shortconv": "Lfm2ForCausalLM",
 }
 
 # mla: vLLM's CPU MLA decode kernel compiles for a 576-wide latent only.
@@ -65,6 +66,9 @@ GDN_LAYER_TYPES = ("linear_attention",) * 3 + ("full_attention",)
 GDN_HEAD_DIM = 64
 GDN_KEY_HEADS = 2
 GDN_VALUE_HEADS = 4
+# shortconv, LFM2: short-convolution layers, every third one attention.
+SHORTCONV_ATTENTION_EVERY = 3
+SHORTCONV_KERNEL = 3
 
 
 def hf_config(
@@ -107,6 +111,11 @@ def layers_problem(family: str, requested: int) -> str | None:
             f"the swa family needs at least {FULL_ATTENTION_EVERY} layers "
             "(one full-attention layer after the windowed ones)"
         )
+    if family == "shortconv" and requested < SHORTCONV_ATTENTION_EVERY:
+        return (
+            f"the shortconv family needs at least {SHORTCONV_ATTENTION_EVERY} "
+            "layers (one attention layer after the short-conv ones)"
+        )
     if family == "mla" and requested < 2:
         return "the mla family needs at least 2 layers (one dense, then MoE)"
     return None
@@ -126,6 +135,8 @@ def kv_bytes_per_token(spec: Any) -> int:
         layers = HYBRID_PATTERN.count("*")
     if spec.family == "gdn":
         layers = GDN_LAYER_TYPES.count("full_attention")
+    if spec.family == "shortconv":
+        layers = shortconv_layer_types(spec.num_layers).count("full_attention")
     return 2 * layers * spec.num_kv_heads * spec.head_dim * element
 
 
@@ -133,6 +144,14 @@ def swa_layer_types(num_layers: int) -> list[str]:
     """Gemma 3's pattern: every ``FULL_ATTENTION_EVERY``-th layer is full."""
     return [
         "full_attention" if (i + 1) % FULL_ATTENTION_EVERY == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+
+
+def shortconv_layer_types(num_layers: int) -> list[str]:
+    """LFM2's pattern: every ``SHORTCONV_ATTENTION_EVERY``-th layer attends."""
+    return [
+        "full_attention" if (i + 1) % SHORTCONV_ATTENTION_EVERY == 0 else "conv"
         for i in range(num_layers)
     ]
 
@@ -247,6 +266,27 @@ def _with(common: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {**common, **extra}
 
 
+def _shortconv(spec: Any, common: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Lfm2Config
+
+    return Lfm2Config(
+        # vLLM reads the conv and block widths under the names of LFM2's
+        # first configs (conv_dim, block_dim); transformers keeps them
+        **_with(
+            common,
+            norm_eps=1e-5,
+            conv_dim=spec.hidden_size,
+            block_dim=spec.hidden_size,
+        ),
+        num_key_value_heads=spec.num_kv_heads,
+        layer_types=shortconv_layer_types(spec.num_layers),
+        conv_L_cache=SHORTCONV_KERNEL,
+        conv_bias=False,
+        block_auto_adjust_ff_dim=False,
+        tie_word_embeddings=True,
+    )
+
+
 _BUILDERS = {
     "dense": _dense,
     "mla": _mla,
@@ -254,4 +294,5 @@ _BUILDERS = {
     "hybrid": _hybrid,
     "moe": _moe,
     "gdn": _gdn,
+    "shortconv": _shortconv,
 }

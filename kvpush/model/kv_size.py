@@ -25,6 +25,7 @@ _KINDS = {
     "sliding_attention": "sliding_attention",
     "mamba": "state",
     "linear_attention": "state",
+    "conv": "state",  # LFM2's short convolution
 }
 
 
@@ -119,6 +120,7 @@ def pushed_bytes(
     num_tokens: int,
     block_size: int,
     ssm_dtype: str | None = None,
+    kv_dtype: str | None = None,
 ) -> int:
     """The KV bytes decode keeps of a ``num_tokens`` prompt it holds none
     of, in ``block_size``-token blocks, with vLLM's hybrid KV-cache manager
@@ -129,7 +131,9 @@ def pushed_bytes(
     earlier where that is a block's first token) on.
     Each state layer's state once (:func:`state_bytes`; ``ssm_dtype``:
     vLLM's ``mamba_ssm_cache_dtype`` as the instance resolved it, which a
-    platform may choose).
+    platform may choose). Attention KV in ``kv_dtype`` (vLLM's
+    ``--kv-cache-dtype``: ``fp8`` formats one byte a value; None or
+    ``auto``: ``dtype``).
     What a push must write, no more (vLLM pads a last short group with
     unused layer slots, which a push also writes: not counted here)."""
     if num_tokens < 1 or block_size < 1:
@@ -138,6 +142,8 @@ def pushed_bytes(
     if config is None:
         raise ValueError(f"cannot read the KV shape of {model_dir}")
     per_token = kv_bytes_per_token(model_dir, dtype)
+    if kv_dtype and kv_dtype.startswith("fp8"):
+        per_token //= _ELEMENT_BYTES[dtype]  # one byte a value
     all_kinds = layer_kinds(config)
     kinds = [k for k in all_kinds if k in _ATTENTION_KINDS]
     states = all_kinds.count("state")
@@ -166,8 +172,12 @@ def state_bytes(
     every group, the SSM state ``head_dim x ssm_state_size`` per head.
     Gated delta net (Qwen3-Next's ``linear_*`` keys): channels are the
     keys twice (q and k) and the values, the state ``value dim x key dim``
-    per value head."""
-    if "linear_num_value_heads" in config:
+    per value head. Short convolution (LFM2's ``conv_L_cache``): the
+    conv state alone, over ``conv_dim`` channels."""
+    if "conv_L_cache" in config:
+        channels = int(config.get("conv_dim") or config["hidden_size"])
+        kernel, recurrent = int(config["conv_L_cache"]), 0
+    elif "linear_num_value_heads" in config:
         k_heads, k_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
         v_heads, v_dim = (
             config["linear_num_value_heads"],

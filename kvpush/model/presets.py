@@ -1,6 +1,6 @@
 """Named model shapes: ``tiny`` (the default), ``kv-heavy``, and one tiny
 model per family whose KV cache vLLM shapes differently (``mla``, ``swa``,
-``hybrid``, ``moe``, ``gdn``; :mod:`kvpush.model.families`,
+``hybrid``, ``moe``, ``gdn``, ``shortconv``; :mod:`kvpush.model.families`,
 docs/model-families.md). ``gdn`` is bfloat16, the one dtype vLLM's CPU
 build runs gated delta net in; ``kvpush up --model-preset gdn`` serves it so.
 
@@ -66,6 +66,9 @@ PRESETS: dict[str, Preset] = {
         "tiny-gdn-qwen3-next",
         1,
         4096,
+    ),
+    "shortconv": Preset(
+        ModelSpec(family="shortconv", num_layers=6), "tiny-shortconv-lfm2", 1, 4096
     ),
 }
 

@@ -10,7 +10,8 @@ A state page holds, per TP rank and packed from byte 0 (vLLM's
   is its share of each sub-projection, in order (Mamba2: x | B | C; gated
   delta net: Q | K | V), each made of units (heads, or Mamba2's groups) of
   ``width`` channels.
-* The recurrent state is heads first: units of ``width`` bytes.
+* The recurrent state is heads first: units of ``width`` bytes. A short
+  convolution (LFM2) has none.
 
 A rank's units of each part follow :class:`~kvpush.transfer.shares.HeadShare`'s
 rule, the one vLLM shards by: contiguous when the TP size divides the
@@ -72,7 +73,7 @@ class StatePage(msgspec.Struct, frozen=True):
     conv_rows: PosInt
     conv_item_bytes: PosInt
     conv_parts: Annotated[tuple[StatePart, ...], msgspec.Meta(max_length=_MAX_PARTS)]
-    recurrent: StatePart
+    recurrent: StatePart | None
     dtypes: Annotated[tuple[_NAME, ...], msgspec.Meta(max_length=_MAX_PARTS)] = ()
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ class StatePage(msgspec.Struct, frozen=True):
 
     def problem(self, tp_size: int) -> str | None:
         """Why no rank of TP ``tp_size`` holds a share of every part, or None."""
-        for part in (*self.conv_parts, self.recurrent):
+        for part in self._parts:
             try:
                 HeadShare(tp_size, 0, part.units)
             except ValueError:
@@ -90,6 +91,11 @@ class StatePage(msgspec.Struct, frozen=True):
                     f"split over TP {tp_size}"
                 )
         return None
+
+    @property
+    def _parts(self) -> tuple[StatePart, ...]:
+        extra = () if self.recurrent is None else (self.recurrent,)
+        return (*self.conv_parts, *extra)
 
     def conv_dim(self, tp_size: int) -> int:
         """Channels of one rank's conv state."""
@@ -100,6 +106,8 @@ class StatePage(msgspec.Struct, frozen=True):
 
     def content_bytes(self, tp_size: int) -> int:
         """One rank's conv and recurrent state, the page's used bytes."""
+        if self.recurrent is None:
+            return self.conv_bytes(tp_size)
         recurrent = _per_rank(self.recurrent, tp_size) * self.recurrent.width
         return self.conv_bytes(tp_size) + recurrent
 
@@ -131,6 +139,8 @@ class StatePage(msgspec.Struct, frozen=True):
                     )
             src_at += _per_rank(part, src_tp) * part.width
             dst_at += _per_rank(part, dst_tp) * part.width
+        if self.recurrent is None:
+            return _merged(out)
         width = self.recurrent.width
         src_base, dst_base = self.conv_bytes(src_tp), self.conv_bytes(dst_tp)
         for first_src, first_dst, n in _carried(
@@ -145,7 +155,7 @@ class StatePage(msgspec.Struct, frozen=True):
         """The prefill ranks that write some of decode rank ``dst_rank``'s page."""
         return frozenset(
             s.src_rank
-            for part in (*self.conv_parts, self.recurrent)
+            for part in self._parts
             for s in TpMapping(src_tp, dst_tp, part.units).slices
             if s.dst_rank == dst_rank
         )

@@ -486,6 +486,7 @@ class TestKvPushHybrid:
         want = kv_size.pushed_bytes(
             model_dir, self.dtype, num_tokens, int(cache["block_size"]),
             ssm_dtype=cache["mamba_ssm_cache_dtype"],
+            kv_dtype=cache["cache_dtype"],
         )  # fmt: skip
         written = _written_since(pd_cluster, before, want)
         assert written == want, f"wrote {written} bytes, decode needs {want}"
@@ -620,3 +621,22 @@ class TestKvPushGdnDecodeTp2:
 
     def test_down_stops_every_process(self, pd_cluster: Cluster) -> None:
         pd_cluster.stop()
+
+
+class TestKvPushShortConv(TestKvPushHybrid):
+    """LFM2-style short convolutions + attention: each request's conv state
+    (no recurrent state) copied as a Mamba2 one, in CI like it."""
+
+    preset = "shortconv"
+
+
+@pytest.mark.long
+class TestKvPushHybridFp8Kv(TestKvPushHybrid):
+    """The hybrid preset with a per-tensor fp8 attention cache: the Mamba
+    states keep the model's dtype (vLLM's ``mamba_cache_dtype`` auto), the
+    attention blocks are one byte a value; bytes written = decode's need."""
+
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushHybrid.cluster_options,
+        "extra_vllm_args": ("--kv-cache-dtype", "fp8"),
+    }

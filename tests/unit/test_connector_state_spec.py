@@ -73,6 +73,25 @@ def test_gdn_pages_are_one_description_at_every_tp(conv_layout) -> None:
     assert [p.units for p in pages[0].conv_parts] == [4, 4, 8]
 
 
+def test_short_conv_pages_are_one_description_at_every_tp(conv_layout) -> None:
+    pages = []
+    for tp in (1, 2, 4):
+        (shape,) = MambaStateShapeCalculator.short_conv_state_shape(
+            tp_world_size=tp, intermediate_size=256, conv_kernel=3
+        )
+        spec = MambaSpec(
+            block_size=64,
+            shapes=(shape,),
+            dtypes=(torch.float32,),
+            mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+        )
+        page = state_page_of(spec, model(None), tp)
+        assert page is not None and page.recurrent is None
+        assert page.content_bytes(tp) == spec.state_content_size_bytes
+        pages.append(page)
+    assert pages[0] == pages[1] == pages[2]
+
+
 def test_what_cannot_be_described_is_none(conv_layout) -> None:
     # Mamba2 without a group count in the config
     assert state_page_of(mamba2_spec(2, 1), model(None), 2) is None

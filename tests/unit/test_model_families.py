@@ -43,7 +43,7 @@ from kvpush.model.kv_size import kv_bytes_per_token
 from kvpush.model.presets import PRESETS, preset
 from kvpush.model.spec import ModelSpec
 
-FAMILY_PRESETS = ("mla", "swa", "hybrid", "moe", "gdn")
+FAMILY_PRESETS = ("mla", "swa", "hybrid", "moe", "gdn", "shortconv")
 VOCAB = 4096
 # Block sizes vLLM 0.32's CPU platform picked in a colocated run: 128 by
 # default, 16 forced for its CPU MLA kernel; for the hybrid model the
@@ -227,6 +227,8 @@ def layer_specs(name: str, config: PretrainedConfig) -> dict[str, KVCacheSpec]:
         return _hybrid_specs(config, dtype)
     if name == "gdn":
         return _gdn_specs(config)
+    if name == "shortconv":
+        return _shortconv_specs(config)
     attention = {"num_kv_heads": config.num_key_value_heads, "head_size": 64}
     types = getattr(config, "layer_types", None) or ["full_attention"] * (
         config.num_hidden_layers
@@ -275,6 +277,37 @@ def _hybrid_specs(config: PretrainedConfig, dtype: torch.dtype) -> dict:
                 num_kv_heads=config.num_key_value_heads,
                 head_size=config.head_dim,
                 dtype=dtype,
+            )
+    return specs
+
+
+def _shortconv_specs(config: PretrainedConfig) -> dict:
+    """LFM2's layers as vLLM's CPU build gives them: a short-conv state
+    (float32, one conv state) per conv layer, padded to a 128-token
+    attention block; prefix caching off."""
+    (shape,) = MambaStateShapeCalculator.short_conv_state_shape(
+        tp_world_size=1,
+        intermediate_size=config.conv_dim,
+        conv_kernel=config.conv_L_cache,
+    )
+    token_bytes = 2 * config.num_key_value_heads * 64 * 4
+    specs: dict[str, KVCacheSpec] = {}
+    for i, kind in enumerate(config.layer_types):
+        if kind == "conv":
+            specs[f"model.layers.{i}.conv"] = MambaSpec(
+                block_size=CPU_BLOCK,
+                shapes=(shape,),
+                dtypes=(torch.float32,),
+                page_size_padded=CPU_BLOCK * token_bytes,
+                mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+                mamba_cache_mode="none",
+            )
+        else:
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=CPU_BLOCK,
+                num_kv_heads=config.num_key_value_heads,
+                head_size=64,
+                dtype=torch.float32,
             )
     return specs
 
@@ -424,7 +457,7 @@ def test_gdn_state_groups_are_served_beside_attention(hf_configs):
     assert groups[0].kind.startswith("state:gdn_attn:")
 
 
-@pytest.mark.parametrize("mamba_type", ["MAMBA1", "SHORT_CONV", "LINEAR"])
+@pytest.mark.parametrize("mamba_type", ["MAMBA1", "LINEAR"])
 def test_other_state_kinds_are_refused_by_name(hf_configs, mamba_type: str):
     kv = vllm_groups("gdn", hf_configs["gdn"], hma=True)
     for group in kv.kv_cache_groups:

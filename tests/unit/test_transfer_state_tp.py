@@ -51,6 +51,19 @@ def gdn(layout: ConvLayout) -> StatePage:
     )
 
 
+def short_conv(layout: ConvLayout) -> StatePage:
+    """LFM2-like: a conv state of 256 channels, no recurrent state."""
+    return StatePage(
+        kind="short_conv",
+        cache_mode="none",
+        conv_layout=layout,
+        conv_rows=2,
+        conv_item_bytes=ITEM,
+        conv_parts=(StatePart(256, 1),),
+        recurrent=None,
+    )
+
+
 def shard(page: StatePage, tp: int, rank: int) -> np.ndarray:
     """Rank ``rank``'s page bytes as vLLM lays them out: each element names
     its part, global channel and row (conv) or unit and word (recurrent)."""
@@ -63,9 +76,11 @@ def shard(page: StatePage, tp: int, rank: int) -> np.ndarray:
     conv = cols[None, :] * 8 + np.arange(page.conv_rows, dtype=np.int32)[:, None]
     if page.conv_layout is ConvLayout.DS:
         conv = conv.T
-    words = page.recurrent.width // ITEM
-    units = np.asarray(list(HeadShare(tp, rank, page.recurrent.units).heads))
-    recurrent = -(units[:, None] * words + np.arange(words)[None, :]) - 1
+    recurrent = np.empty(0, dtype=np.int32)
+    if page.recurrent is not None:
+        words = page.recurrent.width // ITEM
+        units = np.asarray(list(HeadShare(tp, rank, page.recurrent.units).heads))
+        recurrent = -(units[:, None] * words + np.arange(words)[None, :]) - 1
     out = np.concatenate([conv.ravel(), recurrent.astype(np.int32).ravel()])
     assert out.size * ITEM == page.content_bytes(tp)
     return out.view(np.uint8)
@@ -75,7 +90,7 @@ PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]
 
 
 @pytest.mark.parametrize("layout", list(ConvLayout))
-@pytest.mark.parametrize("make", [mamba2, gdn])
+@pytest.mark.parametrize("make", [mamba2, gdn, short_conv])
 @pytest.mark.parametrize(("src_tp", "dst_tp"), PAIRS)
 def test_every_decode_byte_written_once_from_the_right_source(
     layout: ConvLayout, make, src_tp: int, dst_tp: int
