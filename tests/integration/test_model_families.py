@@ -628,6 +628,10 @@ class TestKvPushShortConv(TestKvPushHybrid):
     (no recurrent state) copied as a Mamba2 one, in CI like it."""
 
     preset = "shortconv"
+    # vLLM's own colocated instance answers all 32 concurrent requests
+    # differently from one at a time (text on most; 2026-12-05, float32):
+    # batched replies say nothing about a push.
+    batch_invariant = False
 
 
 @pytest.mark.long
