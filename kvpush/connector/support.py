@@ -61,10 +61,14 @@ Accepted, and why the copy is right:
   MLA caches (DeepSeek-V3.2/V4's indexer, ``model_version`` set) and packed
   formats (``fp8_ds_mla``, refused by its cache dtype) are not mapped.
 
-- Mamba2 state (``MambaSpec``, Nemotron-H, Granite 4) beside full
-  attention, in vLLM's mode 'none' (prefix caching off): each request's
-  state is one page, copied whole once with the prompt's last block
-  (``docs/design.md``, state groups), between equal TP sizes.
+- Per-request states (``MambaSpec`` of :data:`MAPPED_STATES`: Mamba2,
+  as Nemotron-H and Granite 4; gated delta net, as Qwen3-Next; short
+  conv, as LFM2) beside full attention, in vLLM's mode 'none' (prefix
+  caching off): each request's state is one page, its bytes copied once
+  with the prompt's last block (``docs/design.md``, state groups); across
+  TP sizes each decode rank takes its pieces of it
+  (:mod:`kvpush.transfer.state_pages`), where the page can be described
+  (:mod:`kvpush.connector.state_spec`), else equal TP sizes only.
 
 Refused: anything else, with a message naming the setting and what to change.
 """
