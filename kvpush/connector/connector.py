@@ -194,11 +194,17 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
         decode = self._decoding(request)
         return None if decode is None else decode.first_token(request)
 
+    def wants_first_logprobs(self, request: Any) -> bool:
+        """Whether :meth:`keep_first_logprobs` keeps ``request``'s (a leg
+        this instance prefills), so the scheduler class builds them only
+        then."""
+        return self._prefill is not None and self._side_of(request) is self._prefill
+
     def keep_first_logprobs(self, request: Any, logprobs: SampleLogprobs) -> None:
         """From kvpush's scheduler class: the logprobs of the first token
         this instance sampled for ``request``, which a prefill leg bound
         early tells its decode with the token."""
-        if self._prefill is not None and self._side_of(request) is self._prefill:
+        if self._prefill is not None and self.wants_first_logprobs(request):
             self._prefill.keep_first_logprobs(request, logprobs)
 
     def awaits_first_token(self, request: Any) -> bool:

@@ -23,6 +23,7 @@ class FirstTokenConnector(KVConnectorBase_V1):
         self.outcomes: list[Any] = []  # first_token_outcome's reasons
         self.claimed: set[str] = set()
         self.expected: set[str] = set()  # req ids whose t1 prefill will tell
+        self.prefilled: set[str] = set()  # req ids whose first logprobs it keeps
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -48,6 +49,9 @@ class FirstTokenConnector(KVConnectorBase_V1):
         if isinstance(first, int):
             return FirstToken("t-" + request.request_id, "prefill0", first)
         return first
+
+    def wants_first_logprobs(self, request: Any) -> bool:
+        return request.request_id in self.prefilled
 
     def keep_first_logprobs(self, request: Any, logprobs: SampleLogprobs) -> None:
         self.kept[request.request_id] = logprobs

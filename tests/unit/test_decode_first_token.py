@@ -397,19 +397,23 @@ def test_prefill_keeps_its_first_tokens_logprobs_for_the_connector(
     model_dir: pathlib.Path, cls: type
 ) -> None:
     scheduler = _scheduler(model_dir, cls)
-    scheduler.connector.claimed.update({"p1", "p2"})  # computed here, not loaded
+    scheduler.connector.claimed.update({"p1", "p2", "d1"})  # computed here
+    scheduler.connector.prefilled.update({"p1", "p2"})  # d1: a leg it decodes
     scheduler.add_request(_request("p1", logprobs=1))
     scheduler.add_request(_request("p2"))  # no logprobs asked
+    scheduler.add_request(_request("d1", logprobs=1))
     out = scheduler.schedule()
-    assert set(out.num_scheduled_tokens) == {"p1", "p2"}  # each its whole prompt
-    rows = _rows([[T1, 5, 6], [T2, 7, 8]], [[-0.25, -1.0, -2.0], [-0.5, -1.0, -2.0]],
-                 [1, 1])  # fmt: skip
+    assert set(out.num_scheduled_tokens) == {"p1", "p2", "d1"}  # whole prompts
+    rows = _rows([[T1, 5, 6], [T2, 7, 8], [T1, 5, 6]],
+                 [[-0.25, -1.0, -2.0], [-0.5, -1.0, -2.0], [-0.25, -1.0, -2.0]],
+                 [1, 1, 1])  # fmt: skip
 
-    _step(scheduler, out, {"p1": [T1], "p2": [T2]}, None, rows)
+    _step(scheduler, out, {"p1": [T1], "p2": [T2], "d1": [T1]}, None, rows)
 
-    # cut to what p1 asked: the sampled token and its 1 top logprob
+    # cut to what p1 asked: the sampled token and its 1 top logprob; none
+    # built for d1, whose first token this instance does not tell anyone
     assert scheduler.connector.kept == {"p1": SampleLogprobs((T1, 5), (-0.25, -1.0), 1)}
     scheduler.connector.kept.clear()
     out = scheduler.schedule()
-    _step(scheduler, out, {"p1": [T2], "p2": [T1]}, None, rows)
+    _step(scheduler, out, {"p1": [T2], "p2": [T1], "d1": [T2]}, None, rows)
     assert scheduler.connector.kept == {}  # only the first token's

@@ -298,7 +298,7 @@ class FirstTokenMixin:
         token, for the connector to tell its decode with the token."""
         connector: Any = self.connector  # type: ignore[attr-defined]
         lists = model_runner_output.logprobs
-        if lists is None or not hasattr(connector, "keep_first_logprobs"):
+        if lists is None or not hasattr(connector, "wants_first_logprobs"):
             return
         sampled = model_runner_output.sampled_token_ids
         for rid, index in model_runner_output.req_id_to_index.items():
@@ -306,7 +306,9 @@ class FirstTokenMixin:
             if request is None or request.num_output_tokens or not sampled[index]:
                 continue  # not its first token (or none: a prompt's chunk)
             k = request.sampling_params.num_logprobs
-            if k is not None and sends_logprobs(k):
+            if k is None or not sends_logprobs(k):
+                continue
+            if connector.wants_first_logprobs(request):  # a leg prefilled here
                 connector.keep_first_logprobs(request, sample_logprobs(lists, index, k))
 
     def update_from_output(
