@@ -125,19 +125,32 @@ def kv_bytes_per_token(spec: Any) -> int:
     """KV-cache bytes one token takes in every layer that keeps a per-token
     cache, in ``spec.dtype``: keys and values per KV head, or MLA's latent.
     Windowed layers count in full (vLLM keeps all their blocks when the
-    hybrid KV cache manager is off); Mamba layers keep a per-request state
-    instead, not counted."""
+    hybrid KV cache manager is off); state layers (Mamba2, gated delta net,
+    short conv) keep a per-request state instead, not counted."""
     element = 4 if spec.dtype == "float32" else 2
     if spec.family == "mla":
         return spec.num_layers * (MLA_KV_LORA_RANK + MLA_ROPE_HEAD_DIM) * element
-    layers = spec.num_layers
-    if spec.family == "hybrid":
-        layers = HYBRID_PATTERN.count("*")
-    if spec.family == "gdn":
-        layers = GDN_LAYER_TYPES.count("full_attention")
-    if spec.family == "shortconv":
-        layers = shortconv_layer_types(spec.num_layers).count("full_attention")
+    layers = sum(k in _CACHED_KINDS for k in layer_types(spec.family, spec.num_layers))
     return 2 * layers * spec.num_kv_heads * spec.head_dim * element
+
+
+_CACHED_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_types(family: str, num_layers: int) -> list[str]:
+    """Each layer's kind in ``family``'s model of ``num_layers`` layers, by
+    transformers' ``layer_types`` names (Nemotron-H's letters as
+    ``full_attention``, ``mamba`` and ``mlp``)."""
+    if family == "hybrid":
+        letters = {"*": "full_attention", "M": "mamba", "-": "mlp"}
+        return [letters[c] for c in HYBRID_PATTERN]
+    if family == "gdn":
+        return list(GDN_LAYER_TYPES)
+    if family == "shortconv":
+        return shortconv_layer_types(num_layers)
+    if family == "swa":
+        return swa_layer_types(num_layers)
+    return ["full_attention"] * num_layers
 
 
 def swa_layer_types(num_layers: int) -> list[str]:
