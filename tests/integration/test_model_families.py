@@ -644,3 +644,18 @@ class TestKvPushHybridFp8Kv(TestKvPushHybrid):
         **TestKvPushHybrid.cluster_options,
         "extra_vllm_args": ("--kv-cache-dtype", "fp8"),
     }
+
+
+@pytest.mark.long
+class TestKvPushShortConvDecodeTp2(TestKvPushGdnDecodeTp2):
+    """Short convolutions at decode TP 2: each decode rank takes its half
+    of every conv state's channels from prefill's one rank. No exact
+    reference here either: vLLM's own TP 1 and TP 2 LFM2 instances differ
+    on 7 of 8 shapes in float32 (logprobs by 0.07-0.11, text on 3), P/D
+    lying between them (2026-12-05), so each shape is checked answered."""
+
+    preset = "shortconv"
+    cluster_options: ClassVar[dict[str, Any]] = {
+        **TestKvPushShortConv.cluster_options,
+        "decode_tp": 2,
+    }
