@@ -28,6 +28,7 @@ one writer (:func:`state_writers`). Pure: no vLLM, no memory.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Annotated
 
 import msgspec
@@ -115,7 +116,14 @@ class StatePage(msgspec.Struct, frozen=True):
         """The bytes prefill rank ``src_rank`` (of TP ``src_tp``) writes
         into decode rank ``dst_rank``'s page (of TP ``dst_tp``); none when
         that pair carries no unit. ``ValueError`` for a TP size a part does
-        not split over or a rank out of range."""
+        not split over or a rank out of range. Worked out once per page
+        and rank pair (a few hundred microseconds; every WRITE carrying a
+        state and every digest of one asks again): read-only."""
+        return _pieces(self, src_tp, src_rank, dst_tp, dst_rank)
+
+    def _work_out_pieces(
+        self, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int
+    ) -> Pieces:
         rows, item = self.conv_rows, self.conv_item_bytes
         src_dim, dst_dim = self.conv_dim(src_tp), self.conv_dim(dst_tp)
         out: list[tuple[int, int, int]] = []
@@ -181,6 +189,15 @@ def state_writers_problem(
                 f"{src_tp}, decode TP {dst_tp})"
             )
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces(
+    page: StatePage, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int
+) -> Pieces:
+    out = page._work_out_pieces(src_tp, src_rank, dst_tp, dst_rank)
+    out.flags.writeable = False
+    return out
 
 
 def _per_rank(part: StatePart, tp_size: int) -> int:

@@ -113,6 +113,8 @@ class DecodeScheduler:
         self._awaiting_first_step: dict[str, str] = {}  # req -> transfer id
         self._held: set[str] = set()  # aborted while receiving; vLLM keeps blocks
         self._first_tokens: OrderedDict[str, FirstToken] = OrderedDict()  # by tid
+        # _state_tp_problem by prefill TP size (at most ranks.MAX_TP_SIZE)
+        self._state_tp_problems: dict[int, str | None] = {}
         self._meta = DecodeMetadata()
 
     def get_num_new_matched_tokens(
@@ -168,9 +170,11 @@ class DecodeScheduler:
         if not self.config.has_state:
             return None
         if leg.prefill_tp != self.config.tp_size:
-            problem = self._state_tp_problem(leg.prefill_tp)
-            if problem is not None:
-                return problem
+            tp = leg.prefill_tp  # the answer depends on the sizes alone
+            if tp not in self._state_tp_problems:
+                self._state_tp_problems[tp] = self._state_tp_problem(tp)
+            if self._state_tp_problems[tp] is not None:
+                return self._state_tp_problems[tp]
         if pushed_tokens(request, leg) < request.num_prompt_tokens:
             return None  # bound late: nothing is computed again
         if not self.config.continues_from_t1:
