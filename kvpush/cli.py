@@ -138,6 +138,7 @@ ROUTING_OPTIONS = (
     "signal_interval_s",
     "signal_max_age_s",
     "first_token_from",
+    "state_model",
 )
 
 
@@ -159,6 +160,15 @@ def _add_router_routing_options(p: argparse.ArgumentParser) -> None:
         help="kvpush mode: a streamed request with a prefill leg gets its "
         "first token from prefill's answer, as soon as it comes, or from "
         "decode (default prefill)",
+    )
+    p.add_argument(
+        "--state-model",
+        action="store_true",
+        default=None,
+        help="kvpush mode: the model keeps per-request state (Mamba, gated "
+        "delta net, short conv layers): send a request whose decode would "
+        "compute its prompt again (min_tokens, penalties, structured output) "
+        "to decode alone ('kvpush up' sets it from the model's config)",
     )
     p.add_argument(
         "--skip-max-new-tokens",

@@ -41,6 +41,7 @@ from kvpush.launcher.state import (
     load_state,
     save_state,
 )
+from kvpush.model.kv_size import has_state
 from kvpush.side_channel_auth import SECRET_ENV, read_secret_file
 from kvpush.topology import Topology, dump_topology
 
@@ -167,7 +168,7 @@ def _start_all(
         )
         state = _with(state, records)
         save_state(state, run_dir)
-    pid = _spawn_router(config, run_dir)
+    pid = _spawn_router(config, run_dir, model)
     records.append(
         ProcessRecord(
             name="router",
@@ -212,14 +213,17 @@ def read_secret(settings: InstanceSettings) -> str | None:
     return None if path is None else read_secret_file(str(path))
 
 
-def _spawn_router(config: ClusterConfig, run_dir: Path) -> int:
+def _spawn_router(config: ClusterConfig, run_dir: Path, model: Path) -> int:
     """Start the router, logging to ``RUN_DIR/router.log``; its group id."""
-    cmd = router_command(config, run_dir)
+    cmd = router_command(config, run_dir, state_model=has_state(model))
     return process.spawn(cmd, _router_env(), run_dir / ROUTER_LOG)
 
 
-def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
-    """The router's command line."""
+def router_command(
+    config: ClusterConfig, run_dir: Path, state_model: bool = False
+) -> list[str]:
+    """The router's command line (``state_model``: the model keeps
+    per-request state, which kvpush mode's routing weighs)."""
     return (
         [
             sys.executable,
@@ -239,6 +243,7 @@ def router_command(config: ClusterConfig, run_dir: Path) -> list[str]:
             if config.first_token_from
             else []
         )
+        + (["--state-model"] if state_model and config.mode == "kvpush" else [])
     )
 
 
@@ -431,7 +436,7 @@ def restart(
     if not process.stop_group(old.pid):
         raise RuntimeError(f"could not stop {name} (pid {old.pid})")
     if name == "router":
-        pid = _spawn_router(config, run_dir)
+        pid = _spawn_router(config, run_dir, Path(state.model))
     else:
         secret = cluster_secret(config, run_dir)
         host = _host_of(state, name)

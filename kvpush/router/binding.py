@@ -28,6 +28,15 @@ A request that asks for prompt logprobs (``prompt_logprobs``, or ``echo``:
 skips, whatever the policy (reason ``prompt_logprobs``): vLLM computes such
 a prompt in full and loads no KV for it (``skip_reading_prefix_cache``), so
 a prefill leg would only compute and hold KV that decode never takes.
+
+On a model with per-request state (Mamba, gated delta net, short conv) a
+leg bound early loads only where decode continues from prefill's first
+token: vLLM computes a loaded prompt's last token again, which would apply
+it to the loaded state twice. A request decode would not continue
+(``min_tokens``, penalties, structured output:
+:attr:`kvpush.router.requests.ParsedRequest.first_token_recomputed`) is
+computed by decode whole either way, so where it would bind early it skips
+instead (reason ``state_recomputed``), forced or not.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ Reason = Literal[
     "no_prefill",  # no usable prefill: decode computes the prompt
     "prompt_logprobs",  # vLLM loads no KV for it: decode computes the prompt
     "one_token",  # max_tokens 1: no decode phase, prefill answers alone
+    "state_recomputed",  # a state model's decode would compute it whole
 ]
 
 
@@ -97,6 +107,7 @@ def decide(
     late_min_busy: float = DEFAULT_LATE_MIN_BUSY,
     prompt_logprobs: bool = False,
     one_token: bool = False,
+    state_recomputed: bool = False,
 ) -> BindingDecision:
     """The binding of one request on its chosen decode.
 
@@ -107,11 +118,14 @@ def decide(
     the decode is chosen by score first); ``prompt_logprobs`` whether the
     request asks for them (then vLLM loads no KV for it: skip);
     ``one_token`` whether it asks for one token at most (``auto``: a
-    prefill answers it alone).
+    prefill answers it alone); ``state_recomputed`` whether decode would
+    compute the whole prompt of an early-bound leg (skip instead).
     """
     if prompt_logprobs:
         return BindingDecision("skip", "prompt_logprobs")
-    if policy == "early" or policy == "late" or policy == "skip":
+    if policy == "early":
+        return _early("forced", state_recomputed)
+    if policy == "late" or policy == "skip":
         return BindingDecision(policy, "forced")
     if policy != "auto":
         check_policy(policy)
@@ -120,14 +134,22 @@ def decide(
     if one_token:
         return BindingDecision("prefill", "one_token")
     if num_prompt_tokens is None:
-        return BindingDecision("early", "tokens_unknown")
+        return _early("tokens_unknown", state_recomputed)
     new = num_new_tokens(num_prompt_tokens, num_held_tokens)
     if new > skip_max_new_tokens:
         if decode_busy > late_min_busy:
             return BindingDecision("late", "decode_busy")
-        return BindingDecision("early", "new_tokens")
+        return _early("new_tokens", state_recomputed)
     if num_held_tokens <= 0:
         return BindingDecision("skip", "short_prompt")
     if new < block_size:
         return BindingDecision("skip", "prefix_held")
     return BindingDecision("skip", "few_new_tokens")
+
+
+def _early(reason: Reason, state_recomputed: bool) -> BindingDecision:
+    """An early binding, or a skip where decode would compute the prompt
+    whole (``state_recomputed``)."""
+    if state_recomputed:
+        return BindingDecision("skip", "state_recomputed")
+    return BindingDecision("early", reason)

@@ -56,7 +56,10 @@ class RoutingConfig:
     two random ones (power of two choices);
     ``first_token_from``: a streamed request with a prefill leg gets its
     first token from prefill's answer (``first_token.py`` says which
-    requests cannot) or from decode.
+    requests cannot) or from decode; ``state_model``: the model keeps
+    per-request state (Mamba, gated delta net, short conv), so a request
+    decode would not continue from prefill's first token skips the prefill
+    leg (``binding.py``).
     """
 
     binding: BindingPolicy = "auto"
@@ -72,6 +75,7 @@ class RoutingConfig:
     full_scan_max: int = 4
     weights: ScoreWeights = field(default_factory=ScoreWeights)
     first_token_from: FirstTokenFrom = FirstTokenFrom.PREFILL
+    state_model: bool = False
 
     def __post_init__(self) -> None:
         check_policy(self.binding)

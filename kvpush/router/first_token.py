@@ -33,7 +33,12 @@ from typing import Any
 
 import msgspec
 
-from kvpush.router.requests import GREEDY_BELOW, ParsedRequest, is_true
+from kvpush.router.requests import (
+    GREEDY_BELOW,
+    ParsedRequest,
+    is_text_format,
+    is_true,
+)
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -83,7 +88,7 @@ def blocker(parsed: ParsedRequest) -> str | None:
     for key, why in _BLOCKING_FIELDS:
         value = body.get(key)
         if value not in (None, False, 0, "", [], {}) and not (
-            key == "response_format" and _is_text_format(value)
+            key == "response_format" and is_text_format(value)
         ):
             return why
     return None
@@ -581,7 +586,3 @@ def _is_one_prompt(prompt: Any) -> bool:
         and bool(prompt)
         and all(isinstance(t, int) for t in prompt)
     )
-
-
-def _is_text_format(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"

@@ -64,6 +64,7 @@ class Prompt:
     session: str | None = None
     prompt_logprobs: bool = False
     one_token: bool = False  # max_tokens 1: no decode phase
+    state_recomputed: bool = False  # a state model's decode computes it whole
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class Planner:
             late_min_busy=self.config.late_min_busy,
             prompt_logprobs=prompt.prompt_logprobs,
             one_token=prompt.one_token,
+            state_recomputed=prompt.state_recomputed,
         )
         if decision.binding not in ("late", "prefill"):  # late: its turn comes later
             self._num_decode_picks += 1

@@ -87,6 +87,37 @@ class ParsedRequest:
             return False
         return self.endpoint == "chat" or body.get("logprobs") is not None
 
+    @property
+    def first_token_recomputed(self) -> str | None:
+        """Why decode would sample this request's first token itself rather
+        than continue from prefill's (what the body asks; the same rule as
+        ``why_never`` of :mod:`kvpush.connector.decode.first_token`, which
+        reads vLLM's request), or None. The router reads it for a model with
+        per-request state, whose decode then computes the prompt again
+        (``binding.decide``)."""
+        body = self.body
+        for key in _READS_OUTPUT:
+            if body.get(key) not in (None, 0):
+                return key
+        response_format = body.get("response_format")
+        if response_format is not None and not is_text_format(response_format):
+            return "response_format"
+        for key in _STRUCTURED_OUTPUT:
+            if body.get(key) is not None:
+                return key
+        choice = body.get("tool_choice")
+        if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
+            return "tool_choice"  # vLLM constrains the output to the tool's schema
+        if -1 in (body.get("logprobs"), body.get("top_logprobs")):
+            return "logprobs"  # the whole vocabulary: more than prefill sends
+        if body.get("prompt_embeds") is not None:
+            return "prompt_embeds"
+        if self.endpoint == "chat" and any(
+            _has_media(m.get("content")) for m in body["messages"]
+        ):
+            return "multimodal"
+        return None
+
     def prefill_body(
         self, kv_transfer_params: Any = None, extra: dict[str, Any] | None = None
     ) -> bytes:
@@ -159,6 +190,26 @@ def returned_kv_params(answer: bytes, prefill: Backend) -> dict[str, Any]:
             "with a NixlConnector as kv_producer?",
         )
     return params
+
+
+# Fields a request's output is sampled under that prefill's one-token leg
+# does not apply, and structured output's (``first_token_recomputed``).
+_READS_OUTPUT = ("min_tokens", "presence_penalty", "frequency_penalty",
+                 "repetition_detection")  # fmt: skip
+_STRUCTURED_OUTPUT = ("structured_outputs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar")  # fmt: skip
+
+
+def is_text_format(value: Any) -> bool:
+    """Whether a ``response_format`` asks for plain text (no structure)."""
+    return isinstance(value, dict) and value.get("type") == "text"
+
+
+def _has_media(content: Any) -> bool:
+    """Whether a chat message's content holds a part other than text."""
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") != "text" for part in content
+    )
 
 
 _TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})

@@ -153,12 +153,20 @@ class Routing:
         if ctx.parsed.wants_prompt_logprobs:  # skips, and reads no prefix cache
             return Prompt(tokens=None, session=session, prompt_logprobs=True)
         one_token = asks_one_token(ctx.parsed)
+        recomputed = self.config.routing.state_model and (
+            ctx.parsed.first_token_recomputed is not None
+        )
         if self.config.routing.binding != "auto" or one_token:
-            return Prompt(tokens=None, session=session, one_token=one_token)
+            return Prompt(
+                tokens=None,
+                session=session,
+                one_token=one_token,
+                state_recomputed=recomputed,
+            )
         tokens = await self._tokens(ctx)
         if tokens is None:
             self._metrics.error("tokenize_failed")
-        return Prompt(tokens=tokens, session=session)
+        return Prompt(tokens=tokens, session=session, state_recomputed=recomputed)
 
     async def _tokens(self, ctx: FlowContext) -> tuple[int, ...] | None:
         """Counted on a usable instance (decodes first), taking turns."""

@@ -187,6 +187,7 @@ class FakeVllm:
     load: Load = field(default_factory=Load)
     serves_tokenize: bool = False  # else /tokenize answers 404, as without it
     received: list[Received] = field(default_factory=list)
+    metrics_served: int = 0  # /metrics answers built (each reads ``load``)
     tokenized: list[dict[str, Any]] = field(default_factory=list)
     _runner: web.AppRunner | None = None
     url: str = ""
@@ -250,6 +251,7 @@ class FakeVllm:
     async def _metrics(self, request: web.Request) -> web.Response:
         await asyncio.sleep(self.metrics_delay_s)
         text = vllm_metrics_text(self.connector_events, self.load)
+        self.metrics_served += 1
         return web.Response(text=text, content_type="text/plain")
 
     async def _tokenize(self, request: web.Request) -> web.Response:

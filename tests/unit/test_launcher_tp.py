@@ -319,7 +319,7 @@ def test_state_records_each_instances_tp_and_cores(
 ) -> None:
     from kvpush.launcher.state import RunState, load_state
 
-    monkeypatch.setattr(cluster, "_spawn_router", lambda config, run_dir: 2)
+    monkeypatch.setattr(cluster, "_spawn_router", lambda config, run_dir, model: 2)
     monkeypatch.setattr(
         cluster, "_spawn_instance", lambda config, spec, model, secret, host: 1
     )

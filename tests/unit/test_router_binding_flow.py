@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from typing import Any
 
 import pytest
@@ -205,10 +206,12 @@ async def test_late_binding_chooses_the_decode_on_the_load_at_prefills_answer() 
         decode1.load = Load(num_waiting=6, num_running=8, kv_usage=0.5)
         r.cluster.prefills[0].load = Load(num_waiting=0, num_running=0)
         await _until_read(r)
-        r.cluster.prefills[0].fault = Fault(delay_s=0.8)
+        prefill = r.cluster.prefills[0]
+        prefill.fault = Fault(delay_s=2.0)
         post = asyncio.create_task(_post(r, COMPLETION))
-        await asyncio.sleep(0.1)  # planned on decode0 being the free one
+        await prefill.wait_until(lambda got: len(got) == 1)  # planned: decode0
         decode0.load, decode1.load = decode1.load, decode0.load
+        await _until_read(r)
         reply = await post
     assert reply.headers["x-kvpush-decode"] == "decode1"
     assert decode0.received == []
@@ -318,6 +321,13 @@ async def test_the_default_binding_is_auto_and_other_modes_bind_early() -> None:
         assert len(r.cluster.prefills[0].received) == 1
 
 
-async def _until_read(r: Routed) -> None:
-    """Long enough for several reads of every instance (every 50 ms)."""
-    await asyncio.sleep(0.25)
+async def _until_read(r: Routed, timeout_s: float = 10.0) -> None:
+    """Until the router has recorded a read of every instance answered
+    after this call began: two answers each (the router reads an instance
+    again only after it took in the last read)."""
+    fakes = [*r.cluster.prefills, *r.cluster.decodes]
+    wanted = [f.metrics_served + 2 for f in fakes]
+    deadline = time.monotonic() + timeout_s
+    while any(f.metrics_served < n for f, n in zip(fakes, wanted, strict=True)):
+        assert time.monotonic() < deadline, "the router read no fresh /metrics"
+        await asyncio.sleep(0.01)

@@ -325,7 +325,7 @@ def test_router_cli_flags_reach_the_config(
     base = ["router", "--topology", str(topology_path)]
     flags = [
         "--health-interval-s", "0.5", "--unhealthy-after", "3",
-        "--max-attempts", "4", "--first-token-from", "decode",
+        "--max-attempts", "4", "--first-token-from", "decode", "--state-model",
     ]  # fmt: skip
     for argv in (base, base + flags):
         args = _parser().parse_args(argv)
@@ -336,6 +336,7 @@ def test_router_cli_flags_reach_the_config(
     assert given.max_attempts == 4
     assert default.routing.first_token_from is FirstTokenFrom.PREFILL
     assert given.routing.first_token_from is FirstTokenFrom.DECODE
+    assert (default.routing.state_model, given.routing.state_model) == (False, True)
 
 
 @pytest.mark.parametrize("mode", ["kvpush", "vllm-push"])
