@@ -66,6 +66,8 @@ GDN_LAYER_TYPES = ("linear_attention",) * 3 + ("full_attention",)
 GDN_HEAD_DIM = 64
 GDN_KEY_HEADS = 2
 GDN_VALUE_HEADS = 4
+# transformers' names of the layer kinds that keep a per-token KV cache
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # shortconv, LFM2: short-convolution layers, every third one attention.
 SHORTCONV_ATTENTION_EVERY = 3
 SHORTCONV_KERNEL = 3
@@ -130,11 +132,10 @@ def kv_bytes_per_token(spec: Any) -> int:
     element = 4 if spec.dtype == "float32" else 2
     if spec.family == "mla":
         return spec.num_layers * (MLA_KV_LORA_RANK + MLA_ROPE_HEAD_DIM) * element
-    layers = sum(k in _CACHED_KINDS for k in layer_types(spec.family, spec.num_layers))
+    layers = sum(
+        k in ATTENTION_KINDS for k in layer_types(spec.family, spec.num_layers)
+    )
     return 2 * layers * spec.num_kv_heads * spec.head_dim * element
-
-
-_CACHED_KINDS = ("full_attention", "sliding_attention")
 
 
 def layer_types(family: str, num_layers: int) -> list[str]:

@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvpush.model.families import ATTENTION_KINDS
+
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # transformers' names of a layer's kind (layer_types; Nemotron-H's
 # layers_block_type names its Mamba2 layers, letter M, "mamba" or
 # "linear_attention", as Qwen3-Next names its gated-delta-net ones)
@@ -105,7 +106,7 @@ def is_moe(model_dir: Path) -> bool:
 
 
 def _values_per_token(config: dict[str, Any]) -> int:
-    layers = sum(1 for k in layer_kinds(config) if k in _ATTENTION_KINDS)
+    layers = sum(1 for k in layer_kinds(config) if k in ATTENTION_KINDS)
     if config.get("kv_lora_rank"):
         return layers * (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]))
     heads = int(config["num_attention_heads"])
@@ -145,7 +146,7 @@ def pushed_bytes(
     if kv_dtype and kv_dtype.startswith("fp8"):
         per_token //= _ELEMENT_BYTES[dtype]  # one byte a value
     all_kinds = layer_kinds(config)
-    kinds = [k for k in all_kinds if k in _ATTENTION_KINDS]
+    kinds = [k for k in all_kinds if k in ATTENTION_KINDS]
     states = all_kinds.count("state")
     blocks = -(-num_tokens // block_size)
     window = config.get("sliding_window")

@@ -35,6 +35,7 @@ import msgspec
 
 from kvpush.router.requests import (
     GREEDY_BELOW,
+    STRUCTURED_OUTPUT_FIELDS,
     ParsedRequest,
     is_text_format,
     is_true,
@@ -64,11 +65,7 @@ _BLOCKING_FIELDS: tuple[tuple[str, str], ...] = (
     ("suffix", "suffix"),
     ("tools", "tool calls are parsed from the whole stream"),
     ("response_format", "structured output"),
-    ("structured_outputs", "structured output"),
-    ("guided_json", "structured output"),
-    ("guided_regex", "structured output"),
-    ("guided_choice", "structured output"),
-    ("guided_grammar", "structured output"),
+    *((key, "structured output") for key in STRUCTURED_OUTPUT_FIELDS),
 )
 
 

@@ -102,7 +102,7 @@ class ParsedRequest:
         response_format = body.get("response_format")
         if response_format is not None and not is_text_format(response_format):
             return "response_format"
-        for key in _STRUCTURED_OUTPUT:
+        for key in STRUCTURED_OUTPUT_FIELDS:
             if body.get(key) is not None:
                 return key
         choice = body.get("tool_choice")
@@ -193,11 +193,13 @@ def returned_kv_params(answer: bytes, prefill: Backend) -> dict[str, Any]:
 
 
 # Fields a request's output is sampled under that prefill's one-token leg
-# does not apply, and structured output's (``first_token_recomputed``).
+# does not apply (``first_token_recomputed``).
 _READS_OUTPUT = ("min_tokens", "presence_penalty", "frequency_penalty",
                  "repetition_detection")  # fmt: skip
-_STRUCTURED_OUTPUT = ("structured_outputs", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar")  # fmt: skip
+# The fields that ask vLLM for structured output, beside a ``response_format``
+# other than text (:func:`is_text_format`).
+STRUCTURED_OUTPUT_FIELDS = ("structured_outputs", "guided_json", "guided_regex",
+                            "guided_choice", "guided_grammar")  # fmt: skip
 
 
 def is_text_format(value: Any) -> bool:
