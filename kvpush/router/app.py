@@ -104,6 +104,13 @@ def build_app(
     return app
 
 
+# How long the router keeps an idle connection to an instance for reuse:
+# below vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so a leg is
+# never sent on a connection the instance is closing (aiohttp's default, 15 s,
+# made a leg fail now and then with "Server disconnected" after an idle spell).
+IDLE_CONNECTION_S = 4.0
+
+
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     timeout = aiohttp.ClientTimeout(
@@ -111,7 +118,9 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         connect=state.config.connect_timeout_s,
         sock_connect=state.config.connect_timeout_s,
     )
-    connector = aiohttp.TCPConnector(limit=0)  # deadlines bound use, not a pool cap
+    connector = aiohttp.TCPConnector(  # deadlines bound use, not a pool cap
+        limit=0, keepalive_timeout=IDLE_CONNECTION_S
+    )
     state.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
     try:
         yield

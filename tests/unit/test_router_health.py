@@ -344,3 +344,23 @@ def test_launcher_gives_the_router_the_topology_only(mode: str, tmp_path: Path) 
     cmd = router_command(ClusterConfig(mode=mode), tmp_path)
     assert cmd[cmd.index("--topology") + 1] == str(tmp_path / "topology.json")
     assert not any(word.startswith("--connector") for word in cmd)
+
+
+async def test_idle_connections_to_instances_close_before_vllms_keep_alive() -> None:
+    """vLLM's API server closes a connection idle for its keep-alive
+    (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s); a router that kept one longer
+    could send a leg on it as it closes ("Server disconnected")."""
+    from vllm import envs
+
+    from kvpush.router.app import STATE, _client_session, build_app
+
+    app = build_app(RouterConfig(topology=PD))
+    session = _client_session(app)
+    await session.__anext__()
+    try:
+        connector = app[STATE].client().connector
+        assert isinstance(connector, aiohttp.TCPConnector)
+        kept_s = connector._keepalive_timeout  # aiohttp exposes no getter
+        assert kept_s is not None and kept_s < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    finally:
+        await session.aclose()
